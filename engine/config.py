@@ -1,0 +1,95 @@
+"""Engine configuration: validated dataclasses and the device-tier defaults (seed table 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def device_tier_defaults(device: str, offline: bool) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) for a device, as vLLM picks them.
+
+    CUDA follows the seed's table 4 for the server (>= 160 GiB: 16384 / 1024; >= 70 GiB and
+    not A100: 8192 / 1024; other GPUs: 2048 / 256) and vLLM's larger budgets for the offline
+    `LLM` class. CPU tier: 512 tokens / 64 sequences for the server, 1024 / 128 offline. On two
+    cores a 2048-token step of a 135M model takes ~5 s, stalling every running decode that long;
+    512 tokens keep a step near one second while still amortising per-step overhead, and offline
+    runs favour throughput over inter-token latency with twice that.
+    """
+    if device.startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(device))
+        gib = props.total_memory / 2**30
+        if gib >= 160:
+            return (16384 if not offline else 32768), 1024
+        if gib >= 70 and "A100" not in props.name:
+            return (8192 if not offline else 16384), 1024
+        return (2048 if not offline else 8192), 256
+    return (1024, 128) if offline else (512, 64)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str | None = None
+    seed: int = 0
+    offline: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        if self.block_size <= 0 or self.block_size % 16:
+            raise ValueError(f"block_size must be a multiple of 16, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
+            )
+        budget, seqs = device_tier_defaults(self.device, self.offline)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = budget
+        if self.max_num_seqs is None:
+            self.max_num_seqs = seqs
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) so that any prompt fits in one step"
+            )
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        if self.attention_backend is None:
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

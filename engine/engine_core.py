@@ -1,0 +1,84 @@
+"""The engine core: schedule -> execute -> update, one step at a time (stages 3 to 8).
+
+In-process here (offline `LLM`); the busy loop and ZMQ sockets wrap this same object when the
+core runs in its own process.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from stepscope.engine.config import EngineConfig
+from stepscope.engine.executor import Executor, UniProcExecutor
+from stepscope.engine.kv_cache_manager import KVCacheManager
+from stepscope.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from stepscope.engine.models.loader import load_config
+from stepscope.engine.request import Request, RequestStatus
+from stepscope.engine.scheduler import Scheduler
+
+
+def max_model_len_for(config: EngineConfig, model_dir: Path) -> int:
+    limit = load_config(model_dir).get("max_position_embeddings", 2048)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} positions"
+        )
+    return config.max_model_len
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, executor: Executor | None = None
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len_for(config, model_dir)
+        self.executor = executor or UniProcExecutor(config, model_dir)
+        self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.init_kv_cache(self.num_kv_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                block_size=self.config.block_size,
+                arrival_time=request.arrival_time,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0 and not (
+            scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
+        ):
+            return EngineCoreOutputs(outputs=[], timestamp=time.time())
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

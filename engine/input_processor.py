@@ -1,0 +1,59 @@
+"""Input processing in the API process: prompt to token ids, validated (stages 1 and 2).
+
+Bad input raises ValueError here, at the edge, so it never reaches the engine core's busy loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from stepscope.engine.messages import EngineCoreRequest
+from stepscope.engine.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+
+    def tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise ValueError("a prompt must be a string or a list of token ids")
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def process(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> EngineCoreRequest:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but the model's context is "
+                f"{self.max_model_len} tokens and at least one must be left to generate"
+            )
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time(),
+        )

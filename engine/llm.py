@@ -1,0 +1,244 @@
+"""The offline entry point: `LLM(...).generate(prompts, params)` (the whole request path in one
+process, with an in-process engine-core client and no ZMQ boundary).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from stepscope.engine.config import EngineConfig
+from stepscope.engine.engine_core import EngineCore
+from stepscope.engine.input_processor import InputProcessor, PromptType
+from stepscope.engine.messages import EngineCoreOutput
+from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from stepscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from stepscope.engine.sampling_params import SamplingParams
+
+Conversation = list[dict[str, str]]
+
+
+@dataclass(slots=True)
+class _Child:
+    """One of the n completions of a request, as the engine core runs it."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    metrics: RequestMetrics | None = None
+
+
+class LLM:
+    """Offline inference. The engine core runs in this process (`executor="uni"`)."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        device: str = "cpu",
+        dtype: str = "float32",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        max_model_len: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
+        attention_backend: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.config = EngineConfig(
+            model=model,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            max_model_len=max_model_len,
+            kv_cache_memory_fraction=kv_cache_memory_fraction,
+            attention_backend=attention_backend,
+            seed=seed,
+            offline=True,
+        )
+        self.model_dir = resolve_model(model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.engine_core = EngineCore(self.config, self.model_dir)
+        self.processor = InputProcessor(
+            self.tokenizer,
+            self.engine_core.max_model_len,
+            load_config(self.model_dir)["vocab_size"],
+        )
+        self._ids = itertools.count()
+
+    # ---- public API -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        token_lists = [self.processor.tokenize(p) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [self.processor.apply_chat_template(list(c)) for c in conversations]
+        texts = [self.tokenizer.decode(t) for t in token_lists]
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _run(
+        self,
+        texts: list[str | None],
+        token_lists: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(token_lists)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(token_lists):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(token_lists)} prompts"
+                )
+        # Validate everything before the first request enters the engine: all or nothing.
+        request_ids = [str(next(self._ids)) for _ in token_lists]
+        core_requests = []
+        children: dict[str, tuple[int, _Child]] = {}
+        results: list[list[_Child]] = []
+        for i, (rid, tokens, params) in enumerate(
+            zip(request_ids, token_lists, params_list, strict=True)
+        ):
+            kids = []
+            for k in range(params.n):
+                child_params = params
+                if params.n > 1:
+                    seed = None if params.seed is None else params.seed + k
+                    child_params = _replace(params, n=1, seed=seed)
+                child_id = rid if params.n == 1 else f"{rid}-{k}"
+                core_requests.append(self.processor.process(child_id, tokens, child_params))
+                child = _Child(index=k)
+                kids.append(child)
+                children[child_id] = (i, child)
+            results.append(kids)
+        for req in core_requests:
+            self.engine_core.add_request(req)
+        pending = set(children)
+        bar = tqdm(total=len(children), desc="generate", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in self.engine_core.step().outputs:
+                    idx, child = children[out.request_id]
+                    if self._absorb(child, out, params_list[idx]):
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            self.engine_core.abort_requests(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [
+            self._request_output(rid, texts[i], token_lists[i], results[i])
+            for i, rid in enumerate(request_ids)
+        ]
+
+    def _absorb(self, child: _Child, out: EngineCoreOutput, params: SamplingParams) -> bool:
+        """Take one step's output for a child; True once it has finished."""
+        child.token_ids.extend(out.new_token_ids)
+        for lp in out.new_logprobs:
+            child.logprobs.append(dict(zip(lp.token_ids, lp.logprobs, strict=True)))
+        if child.metrics is None:
+            child.metrics = RequestMetrics(arrival_time=out.events.get("queued", 0.0))
+        m = child.metrics
+        m.first_scheduled_time = out.events.get("scheduled", m.first_scheduled_time)
+        m.first_token_time = out.events.get("first_token", m.first_token_time)
+        m.num_cached_tokens = out.num_cached_tokens
+        m.num_preemptions = out.num_preemptions
+        finished = out.finish_reason is not None
+        if params.stop and not finished:
+            text = self._decode(child.token_ids, params)
+            hit = _find_stop(text, params.stop)
+            if hit is not None:
+                self.engine_core.abort_requests([out.request_id])
+                pos, stop = hit
+                child.text = text[: pos + (len(stop) if params.include_stop_str_in_output else 0)]
+                child.finish_reason, child.stop_reason = "stop", stop
+                m.finished_time = time.time()
+                return True
+        if finished:
+            child.finish_reason = out.finish_reason
+            child.stop_reason = out.stop_reason
+            child.text = self._decode(child.token_ids, params)
+            m.finished_time = out.events.get("finished", time.time())
+        return finished
+
+    def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+
+    @staticmethod
+    def _request_output(
+        rid: str, prompt: str | None, prompt_ids: list[int], kids: list[_Child]
+    ) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=c.index,
+                text=c.text,
+                token_ids=c.token_ids,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=c.logprobs or None,
+            )
+            for c in kids
+        ]
+        metrics = kids[0].metrics
+        return RequestOutput(
+            request_id=rid,
+            prompt=prompt,
+            prompt_token_ids=prompt_ids,
+            outputs=outputs,
+            finished=True,
+            metrics=metrics,
+            num_cached_tokens=metrics.num_cached_tokens if metrics else 0,
+            children_metrics=[c.metrics for c in kids if c.metrics],
+        )
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, **changes)
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    hits = [(text.find(s), s) for s in stops if s in text]
+    return min(hits) if hits else None

@@ -1,0 +1,180 @@
+"""The model runner: per-request state kept across steps, input preparation, forward, sampling
+(worker, stage 6). It applies the scheduler's diffs and knows nothing of queues.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stepscope.engine.attention import SeqInfo, make_attention_backend
+from stepscope.engine.config import EngineConfig
+from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
+from stepscope.engine.models.llama import LlamaModel, LlamaShape
+from stepscope.engine.models.loader import load_config
+from stepscope.engine.sampler import Sampler
+from stepscope.engine.sampling_params import SamplingParams
+
+CPU_KV_CACHE_MAX_BYTES = 2 * 2**30  # default cap of the CPU KV pool, as vLLM's CPU backend caps it
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+
+
+def available_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce=None,
+    ) -> None:
+        from safetensors.torch import load_file
+
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.shape = LlamaShape.from_hf_config(load_config(model_dir))
+        self.attn = make_attention_backend(config.attention_backend, self.block_size, self.device)
+        weights = load_file(str(model_dir / "model.safetensors"))
+        self.model = LlamaModel(
+            self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce
+        )
+        self.num_kv_heads = self.shape.num_kv_heads // tp_size
+        self.sampler = Sampler(self.device, config.seed)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- KV cache memory -----------------------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        s = self.shape
+        return 2 * s.num_layers * self.block_size * self.num_kv_heads * s.head_dim * elem
+
+    def determine_num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        fraction = self.config.kv_cache_memory_fraction
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * (fraction or 0.85))
+        else:
+            avail = available_memory_bytes()
+            budget = int(avail * fraction) if fraction else min(CPU_KV_CACHE_MAX_BYTES, avail // 4)
+        return max(budget // self.kv_block_bytes(), 1)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        s = self.shape
+        shape = (num_blocks, self.block_size, self.num_kv_heads, s.head_dim)
+        # Zeroed, not empty: padded key slots are read (then masked), and garbage could be NaN.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(s.num_layers)
+        ]
+
+    # ---- one step --------------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            gen = None
+            if new.sampling_params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(new.sampling_params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id,
+                list(new.token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+                gen,
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        order = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
+        if not order:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        seqs: list[SeqInfo] = []
+        sample_rows: list[int] = []  # flat row of the last token of each request that samples
+        sample_states: list[CachedRequestState] = []
+        for req_id in order:
+            st = self.requests[req_id]
+            n = so.num_scheduled_tokens[req_id]
+            start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            input_ids.extend(st.token_ids[start:end])
+            pos = np.arange(start, end)
+            positions.append(pos)
+            slots.append(np.asarray(st.block_ids)[pos // bs] * bs + pos % bs)
+            seqs.append(SeqInfo(n, end, st.block_ids))
+            if end == len(st.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sample_states.append(st)
+        dev = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.long).to(dev)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        slot_t = torch.from_numpy(np.concatenate(slots).astype(np.int64))
+        meta = self.attn.build_metadata(seqs, slot_t)
+        hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta)
+        for req_id in order:
+            st = self.requests[req_id]
+            st.num_computed_tokens += so.num_scheduled_tokens[req_id]
+        sampled: dict[str, list[int]] = {}
+        lp_ids: dict[str, list[int]] = {}
+        lps: dict[str, list[float]] = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+            out = self.sampler(
+                logits,
+                [st.sampling_params for st in sample_states],
+                [st.generator for st in sample_states],
+            )
+            for i, (st, token) in enumerate(zip(sample_states, out.token_ids, strict=True)):
+                st.token_ids.append(token)
+                sampled[st.req_id] = [token]
+                if i in out.logprobs:
+                    lp_ids[st.req_id] = out.logprob_token_ids[i]
+                    lps[st.req_id] = out.logprobs[i]
+        return ModelRunnerOutput(
+            req_ids=order,
+            sampled_token_ids=[sampled.get(r, []) for r in order],
+            logprob_token_ids=lp_ids,
+            logprobs=lps,
+        )

@@ -1,0 +1,193 @@
+"""The Llama forward over a flat, mixed batch of tokens and a paged KV cache (worker, stage 6).
+
+Tokens of every scheduled request are concatenated into one [num_tokens] batch: projections and
+MLPs run as single matmuls over the whole step, and only attention looks at request boundaries
+(through the attention backend's metadata). Q/K/V and gate/up projections are fused into one
+matmul each. Numerics follow transformers' LlamaForCausalLM, op for op, so float32 greedy tokens
+match its `generate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stepscope.engine.attention import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> LlamaShape:
+        if cfg.get("model_type", "llama") != "llama":
+            raise ValueError(f"only Llama models are supported, got {cfg.get('model_type')!r}")
+        rope = cfg.get("rope_parameters") or {}
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cos_sin(
+    max_positions: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_positions, head_dim], computed as transformers does."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+class LlamaLayer:
+    def __init__(self, w: dict[str, torch.Tensor], shape: LlamaShape, tp_size: int) -> None:
+        self.input_norm = w["input_layernorm.weight"]
+        self.post_norm = w["post_attention_layernorm.weight"]
+        self.qkv = w["qkv_proj.weight"]  # [(H + 2 * KVH) * D / tp, hidden]
+        self.o_proj = w["o_proj.weight"]  # [hidden, H * D / tp]
+        self.gate_up = w["gate_up_proj.weight"]  # [2 * intermediate / tp, hidden]
+        self.down = w["down_proj.weight"]  # [hidden, intermediate / tp]
+        self.num_heads = shape.num_heads // tp_size
+        self.num_kv_heads = shape.num_kv_heads // tp_size
+        self.head_dim = shape.head_dim
+        self.eps = shape.rms_norm_eps
+        self.scale = shape.head_dim**-0.5
+
+
+class LlamaModel:
+    """Weights as plain tensors; `forward` is one step. Tensor parallel when tp_size > 1:
+    column-parallel Q/K/V and gate/up, row-parallel o_proj and down_proj, sharded by heads."""
+
+    def __init__(
+        self,
+        shape: LlamaShape,
+        weights: dict[str, torch.Tensor],
+        attn: AttentionBackend,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce=None,
+    ) -> None:
+        if shape.num_heads % tp_size or shape.num_kv_heads % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size {tp_size} must divide the model's {shape.num_heads} "
+                f"query heads and {shape.num_kv_heads} KV heads"
+            )
+        self.shape = shape
+        self.attn = attn
+        self.device = device
+        self.dtype = dtype
+        self.tp_size = tp_size
+        self.all_reduce = all_reduce
+        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"].to(device)
+        self.norm = w["model.norm.weight"].to(device)
+        self.lm_head = self.embed if shape.tie_word_embeddings else w["lm_head.weight"].to(device)
+        self.layers = [
+            LlamaLayer(self._layer_weights(w, i, tp_rank, tp_size), shape, tp_size)
+            for i in range(shape.num_layers)
+        ]
+        self.cos, self.sin = rope_cos_sin(
+            shape.max_position_embeddings, shape.head_dim, shape.rope_theta, device
+        )
+
+    def _layer_weights(
+        self, w: dict[str, torch.Tensor], i: int, rank: int, size: int
+    ) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        s = self.shape
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # column-parallel: split output features
+            return t.chunk(size, dim=0)[rank]
+
+        def cols(t: torch.Tensor) -> torch.Tensor:  # row-parallel: split input features
+            return t.chunk(size, dim=1)[rank]
+
+        q = rows(w[p + "self_attn.q_proj.weight"].view(s.num_heads, s.head_dim, -1))
+        k = rows(w[p + "self_attn.k_proj.weight"].view(s.num_kv_heads, s.head_dim, -1))
+        v = rows(w[p + "self_attn.v_proj.weight"].view(s.num_kv_heads, s.head_dim, -1))
+        qkv = torch.cat([t.reshape(-1, s.hidden_size) for t in (q, k, v)])
+        gate_up = torch.cat(
+            [rows(w[p + "mlp.gate_proj.weight"]), rows(w[p + "mlp.up_proj.weight"])]
+        )
+        out = {
+            "input_layernorm.weight": w[p + "input_layernorm.weight"],
+            "post_attention_layernorm.weight": w[p + "post_attention_layernorm.weight"],
+            "qkv_proj.weight": qkv,
+            "o_proj.weight": cols(w[p + "self_attn.o_proj.weight"]),
+            "gate_up_proj.weight": gate_up,
+            "down_proj.weight": cols(w[p + "mlp.down_proj.weight"]),
+        }
+        return {k: t.contiguous().to(self.device) for k, t in out.items()}
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            self.all_reduce(x)
+        return x
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        n = input_ids.shape[0]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            h = rms_norm(x, layer.input_norm, layer.eps)
+            qkv = F.linear(h, layer.qkv)
+            hq, hk = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+            q = qkv[:, :hq].view(n, layer.num_heads, layer.head_dim)
+            k = qkv[:, hq : hq + hk].view(n, layer.num_kv_heads, layer.head_dim)
+            v = qkv[:, hq + hk :].view(n, layer.num_kv_heads, layer.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            o = self.attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, layer.scale)
+            x = x + self._reduce(F.linear(o.reshape(n, hq), layer.o_proj))
+            h = rms_norm(x, layer.post_norm, layer.eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + self._reduce(F.linear(F.silu(gate) * up, layer.down))
+        return rms_norm(x, self.norm, self.shape.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,107 @@
+"""A request as the engine core sees it: token ids, progress and status (stages 3 to 8).
+
+The scheduler tracks each request by two numbers: `num_computed_tokens` (tokens whose KV is in
+the cache) and `num_tokens` (prompt + generated). Each step adds tokens so the first catches up.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+import time
+from dataclasses import dataclass, field
+
+from stepscope.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """Chained hash of one full block: the parent block's hash plus this block's token ids."""
+    data = struct.pack(f"{len(token_ids)}q", *token_ids)
+    return hashlib.sha256((parent or b"") + data).digest()[:16]
+
+
+@dataclass(slots=True)
+class RequestEvents:
+    """Wall-clock times (time.time()) of the moments a request passes through the engine core."""
+
+    arrival: float = 0.0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    preempted: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_size: int
+    arrival_time: float = field(default_factory=time.time)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # Prompt tokens found in the prefix cache at first admission (-1 until admitted).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    events: RequestEvents = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.events = RequestEvents(arrival=self.arrival_time)
+        self._update_block_hashes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens or 1 << 62
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        bs = self.block_size
+        for start in range(len(self.block_hashes) * bs, self.num_tokens - bs + 1, bs):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block(parent, self.all_token_ids[start : start + bs]))
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

@@ -1,0 +1,1 @@
+"""Triton kernels for the worker forward, each beside its PyTorch reference."""
