@@ -27,11 +27,12 @@ class SeqInfo:
 class PaddedGroup:
     """Requests of similar shape padded into one batched SDPA call (torch backend)."""
 
-    q_index: torch.Tensor  # [B, Qmax] flat token row of each padded query (pads point to row 0)
-    out_index: torch.Tensor  # [num_valid] flat rows that the valid queries fill
-    q_valid: torch.Tensor  # [B, Qmax] bool
-    kv_slots: torch.Tensor  # [B, Kmax] cache slot of each key position (pads point to slot 0)
-    mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True where the query may attend
+    q_index: torch.Tensor | None  # [B, Qmax] flat row of each padded query; None: one per row
+    rows: slice  # the flat rows this group's requests occupy (contiguous, decodes first)
+    q_valid: torch.Tensor | None  # [B, Qmax] bool; None when every query is real
+    kv_blocks: torch.Tensor  # [B * max_blocks] block ids to gather (pads point to block 0)
+    max_blocks: int
+    mask: torch.Tensor  # [B, 1, Qmax, max_blocks * block_size] bool, True where attended
 
 
 @dataclass(slots=True)
@@ -99,66 +100,96 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        super().__init__(block_size, device)
+        # Gathered keys and values are written into buffers reused across layers and steps:
+        # a fresh multi-MB allocation per layer costs more in page faults than the copy itself.
+        self._kbuf = torch.empty(0, device=device)
+        self._vbuf = torch.empty(0, device=device)
+
     def _build_groups(
         self, seqs: list[SeqInfo], query_start_loc: torch.Tensor, block_tables: torch.Tensor
     ) -> list[PaddedGroup]:
-        decode = [i for i, s in enumerate(seqs) if s.query_len == 1]
-        prefill = [i for i, s in enumerate(seqs) if s.query_len > 1]
-        return [
-            self._padded_group(idx, seqs, query_start_loc, block_tables)
-            for idx in (decode, prefill)
-            if idx
-        ]
+        # The model runner puts decodes first, so each group is a contiguous run of rows.
+        num_decode = sum(1 for s in seqs if s.query_len == 1)
+        if any(s.query_len > 1 for s in seqs[:num_decode]):
+            raise ValueError("decode requests must come before prefills in the batch")
+        groups = []
+        if num_decode:
+            groups.append(self._padded_group(0, num_decode, seqs, query_start_loc, block_tables))
+        if num_decode < len(seqs):
+            groups.append(
+                self._padded_group(num_decode, len(seqs), seqs, query_start_loc, block_tables)
+            )
+        return groups
 
     def _padded_group(
         self,
-        idx: list[int],
+        first: int,
+        last: int,
         seqs: list[SeqInfo],
         query_start_loc: torch.Tensor,
         block_tables: torch.Tensor,
     ) -> PaddedGroup:
         bs = self.block_size
-        sel = torch.tensor(idx)
-        q_lens = torch.tensor([seqs[i].query_len for i in idx])
-        seq_lens = torch.tensor([seqs[i].seq_len for i in idx])
-        q_max, k_max = int(q_lens.max()), int(seq_lens.max())
+        group = seqs[first:last]
+        q_lens = torch.tensor([s.query_len for s in group])
+        seq_lens = torch.tensor([s.seq_len for s in group])
+        q_max = int(q_lens.max())
+        max_blocks = max(-(-s.seq_len // bs) for s in group)
+        key_pos = torch.arange(max_blocks * bs)
         j = torch.arange(q_max)
         q_valid = j[None, :] < q_lens[:, None]
-        q_index = torch.where(q_valid, query_start_loc[sel][:, None] + j[None, :], 0)
-        key_pos = torch.arange(k_max)
-        tables = block_tables[sel].long()
-        kv_slots = tables[:, key_pos // bs] * bs + key_pos % bs
         # Query j of a request sits at absolute position seq_len - q_len + j (causal bound).
         q_pos = (seq_lens - q_lens)[:, None] + j[None, :]
         mask = key_pos[None, None, :] <= q_pos[:, :, None]
-        mask &= key_pos[None, None, :] < seq_lens[:, None, None]
         mask[~q_valid] = False
         mask[..., 0] |= ~q_valid  # padded queries attend one key: no all-masked rows
-        kv_slots = torch.where(key_pos[None, :] < seq_lens[:, None], kv_slots, 0)
+        kv_blocks = block_tables[first:last, :max_blocks].long()
+        first_row, last_row = int(query_start_loc[first]), int(query_start_loc[last])
+        q_index = None
+        if q_max > 1:
+            q_index = torch.where(q_valid, query_start_loc[first:last, None] + j[None, :], 0)
         dev = self.device
         return PaddedGroup(
-            q_index=q_index.to(dev),
-            out_index=q_index[q_valid].to(dev),
-            q_valid=q_valid.to(dev),
-            kv_slots=kv_slots.to(dev),
+            q_index=None if q_index is None else q_index.to(dev),
+            rows=slice(first_row, last_row),
+            q_valid=None if q_index is None else q_valid.to(dev),
+            kv_blocks=kv_blocks.flatten().to(dev),
+            max_blocks=max_blocks,
             mask=mask[:, None].to(dev),
         )
 
+    def _gather(self, cache: torch.Tensor, buf: torch.Tensor, g: PaddedGroup) -> torch.Tensor:
+        n = g.kv_blocks.numel()
+        block_numel = cache[0].numel()
+        if buf.numel() < n * block_numel:
+            buf.resize_(n * block_numel)
+        out = buf[: n * block_numel].view(n, *cache.shape[1:])
+        torch.index_select(cache, 0, g.kv_blocks, out=out)
+        batch = n // g.max_blocks
+        # [B, max_blocks * block_size, KVH, D] -> [B, KVH, keys, D]
+        return out.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for g in meta.groups:
-            qg = q[g.q_index].transpose(1, 2)  # [B, H, Qmax, D]
-            kg = k_flat[g.kv_slots].transpose(1, 2)  # [B, KVH, Kmax, D]
-            vg = v_flat[g.kv_slots].transpose(1, 2)
+            kg = self._gather(k_cache, self._kbuf, g)
+            vg = self._gather(v_cache, self._vbuf, g)
+            if g.q_index is None:  # one query per request: [B, H, 1, D]
+                qg = q[g.rows][:, :, None, :]
+            else:
+                qg = q[g.q_index].transpose(1, 2)  # [B, H, Qmax, D]
             og = F.scaled_dot_product_attention(
                 qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
             )
-            out[g.out_index] = og.transpose(1, 2)[g.q_valid]
+            if g.q_index is None:
+                out[g.rows] = og[:, :, 0, :]
+            else:
+                out[g.rows] = og.transpose(1, 2)[g.q_valid]
         return out
 
 

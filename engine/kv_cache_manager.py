@@ -46,9 +46,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a request blocked at the head of the queue looks
+        up again every step; only the lookup that led to admission counts)."""
+        if self.enable_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -126,6 +126,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         order = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
+        # Decodes first: attention then treats them as one contiguous, unpadded group.
+        order.sort(key=lambda r: so.num_scheduled_tokens[r] > 1)
         if not order:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         bs = self.block_size

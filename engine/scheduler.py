@@ -146,6 +146,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             if request.events.first_scheduled is None:

@@ -5,6 +5,7 @@ Sets up the device and threads, then hands each step to its ModelRunner.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import torch
@@ -12,6 +13,21 @@ import torch
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.model_runner import ModelRunner
+
+
+def keep_freed_memory() -> None:
+    """Make glibc keep freed activation memory instead of returning it to the OS.
+
+    A step's activations are tens of MB; by default glibc serves such blocks with mmap and gives
+    them back on free, so every layer of every step pays page faults to zero fresh pages again.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 31)
 
 
 class Worker:
@@ -26,6 +42,8 @@ class Worker:
         self.rank = rank
         if config.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(config.device))
+        else:
+            keep_freed_memory()
         self.model_runner = ModelRunner(config, model_dir, rank, world_size, all_reduce)
 
     def determine_num_kv_blocks(self) -> int:
