@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from stepscope.engine.config import EngineConfig
+from stepscope.engine.detokenizer import IncrementalDetokenizer
 from stepscope.engine.engine_core import EngineCore
 from stepscope.engine.input_processor import InputProcessor, PromptType
 from stepscope.engine.messages import EngineCoreOutput
@@ -27,11 +28,10 @@ class _Child:
     """One of the n completions of a request, as the engine core runs it."""
 
     index: int
-    token_ids: list[int] = field(default_factory=list)
+    detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: str = ""
     metrics: RequestMetrics | None = None
 
 
@@ -147,7 +147,7 @@ class LLM:
                     child_params = _replace(params, n=1, seed=seed)
                 child_id = rid if params.n == 1 else f"{rid}-{k}"
                 core_requests.append(self.processor.process(child_id, tokens, child_params))
-                child = _Child(index=k)
+                child = _Child(k, IncrementalDetokenizer(self.tokenizer, tokens, child_params))
                 kids.append(child)
                 children[child_id] = (i, child)
             results.append(kids)
@@ -158,8 +158,8 @@ class LLM:
         try:
             while pending:
                 for out in self.engine_core.step().outputs:
-                    idx, child = children[out.request_id]
-                    if self._absorb(child, out, params_list[idx]):
+                    _, child = children[out.request_id]
+                    if self._absorb(child, out):
                         pending.discard(out.request_id)
                         bar.update(1)
         except BaseException:
@@ -172,9 +172,8 @@ class LLM:
             for i, rid in enumerate(request_ids)
         ]
 
-    def _absorb(self, child: _Child, out: EngineCoreOutput, params: SamplingParams) -> bool:
+    def _absorb(self, child: _Child, out: EngineCoreOutput) -> bool:
         """Take one step's output for a child; True once it has finished."""
-        child.token_ids.extend(out.new_token_ids)
         for lp in out.new_logprobs:
             child.logprobs.append(dict(zip(lp.token_ids, lp.logprobs, strict=True)))
         if child.metrics is None:
@@ -185,25 +184,18 @@ class LLM:
         m.num_cached_tokens = out.num_cached_tokens
         m.num_preemptions = out.num_preemptions
         finished = out.finish_reason is not None
-        if params.stop and not finished:
-            text = self._decode(child.token_ids, params)
-            hit = _find_stop(text, params.stop)
-            if hit is not None:
-                self.engine_core.abort_requests([out.request_id])
-                pos, stop = hit
-                child.text = text[: pos + (len(stop) if params.include_stop_str_in_output else 0)]
-                child.finish_reason, child.stop_reason = "stop", stop
-                m.finished_time = time.time()
-                return True
-        if finished:
-            child.finish_reason = out.finish_reason
-            child.stop_reason = out.stop_reason
-            child.text = self._decode(child.token_ids, params)
+        stop = child.detokenizer.update(out.new_token_ids, finished)
+        if stop is not None and not finished:
+            # A stop string is found here, not in the engine core: end the request there too.
+            self.engine_core.abort_requests([out.request_id])
+        if stop is not None:
+            child.finish_reason, child.stop_reason = "stop", stop
+        elif finished:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+        if child.finish_reason is not None:
             m.finished_time = out.events.get("finished", time.time())
-        return finished
-
-    def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+            return True
+        return False
 
     @staticmethod
     def _request_output(
@@ -212,8 +204,8 @@ class LLM:
         outputs = [
             CompletionOutput(
                 index=c.index,
-                text=c.text,
-                token_ids=c.token_ids,
+                text=c.detokenizer.output_text,
+                token_ids=c.detokenizer.token_ids,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 logprobs=c.logprobs or None,
@@ -237,8 +229,3 @@ def _replace(params: SamplingParams, **changes) -> SamplingParams:
     import msgspec
 
     return msgspec.structs.replace(params, **changes)
-
-
-def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    hits = [(text.find(s), s) for s in stops if s in text]
-    return min(hits) if hits else None

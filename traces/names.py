@@ -1,0 +1,101 @@
+"""Span names, attribute keys and boundary labels: the tracing contract of the request path.
+
+The dashboard, the tutorials, the DuckDB views and outside tools read spans by these names, so
+they are fixed here once and documented in docs/tracing.md. GenAI keys follow the OpenTelemetry
+GenAI semantic conventions, messaging keys the messaging conventions.
+"""
+
+from __future__ import annotations
+
+# ---- services (resource `service.name`, one per process kind) --------------------------------
+SERVICE_API = "stepscope.api"
+SERVICE_ENGINE_CORE = "stepscope.engine_core"
+SERVICE_WORKER = "stepscope.worker"
+SERVICE_NAME = "service.name"
+RANK = "stepscope.rank"  # resource attribute of workers, and attribute of worker_step spans
+
+# ---- span names -------------------------------------------------------------------------------
+REQUEST = "stepscope.request"  # API process: root per request
+ENGINE_STEP = "stepscope.engine_step"  # engine core: one per step
+SCHEDULE = "stepscope.schedule"  # children of ENGINE_STEP
+EXECUTE = "stepscope.execute"
+UPDATE = "stepscope.update"
+WORKER_STEP = "stepscope.worker_step"  # worker: one per worker per step
+PREPARE_INPUTS = "stepscope.prepare_inputs"  # children of WORKER_STEP
+FORWARD = "stepscope.forward"
+SAMPLE = "stepscope.sample"
+SEND = "stepscope.send"  # PRODUCER on the sender of a message across a boundary
+RECEIVE = "stepscope.receive"  # CONSUMER on the receiver, parented on the SEND span
+
+SPAN_NAMES = (
+    REQUEST,
+    ENGINE_STEP,
+    SCHEDULE,
+    EXECUTE,
+    UPDATE,
+    WORKER_STEP,
+    PREPARE_INPUTS,
+    FORWARD,
+    SAMPLE,
+    SEND,
+    RECEIVE,
+)
+
+# ---- the four boundaries of the request path ---------------------------------------------------
+API_TO_ENGINE_CORE = "api->engine_core"  # EngineCoreRequest
+ENGINE_CORE_TO_WORKER = "engine_core->worker"  # SchedulerOutput
+WORKER_TO_ENGINE_CORE = "worker->engine_core"  # ModelRunnerOutput
+ENGINE_CORE_TO_API = "engine_core->api"  # EngineCoreOutputs
+BOUNDARIES = (API_TO_ENGINE_CORE, ENGINE_CORE_TO_WORKER, WORKER_TO_ENGINE_CORE, ENGINE_CORE_TO_API)
+
+# ---- request span: GenAI attributes -------------------------------------------------------------
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"  # "chat" or "text_completion"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"  # string array
+OPERATION_CHAT = "chat"
+OPERATION_TEXT_COMPLETION = "text_completion"
+
+# ---- request span: stepscope attributes and events ------------------------------------------------
+REQUEST_ID = "stepscope.request_id"
+NUM_CACHED_TOKENS = "stepscope.num_cached_tokens"
+NUM_PREEMPTIONS = "stepscope.num_preemptions"
+EVENT_QUEUED = "queued"
+EVENT_SCHEDULED = "scheduled"
+EVENT_FIRST_TOKEN = "first_token"
+EVENT_PREEMPTED = "preempted"
+EVENT_FINISHED = "finished"
+REQUEST_EVENTS = (EVENT_QUEUED, EVENT_SCHEDULED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_FINISHED)
+
+# ---- engine step span ------------------------------------------------------------------------------
+STEP = "stepscope.step"
+NUM_RUNNING = "stepscope.num_running"
+NUM_WAITING = "stepscope.num_waiting"
+NUM_DECODE_TOKENS = "stepscope.num_decode_tokens"
+NUM_PREFILL_TOKENS = "stepscope.num_prefill_tokens"
+TOKEN_BUDGET = "stepscope.token_budget"
+KV_FREE_BEFORE = "stepscope.kv_free_before"
+KV_FREE_AFTER = "stepscope.kv_free_after"
+KV_TOTAL_BLOCKS = "stepscope.kv_total_blocks"
+PREFIX_HIT_TOKENS = "stepscope.prefix_hit_tokens"
+PREEMPTED_IDS = "stepscope.preempted_ids"  # string array
+FINISHED_IDS = "stepscope.finished_ids"  # string array
+REQUEST_IDS = "stepscope.request_ids"  # string array: the requests this step served
+REQUEST_NUM_TOKENS = "stepscope.request_num_tokens"  # int array, parallel to REQUEST_IDS
+
+# ---- crossing spans (send / receive) -----------------------------------------------------------------
+BOUNDARY = "stepscope.boundary"
+MESSAGE_TYPE = "stepscope.message_type"
+MESSAGE_BODY_SIZE = "messaging.message.body.size"
+NUM_REQUESTS = "stepscope.num_requests"
+MESSAGING_SYSTEM = "messaging.system"
+MESSAGING_SYSTEM_ZMQ = "zmq"
+
+# ---- carrier keys --------------------------------------------------------------------------------------
+# W3C `traceparent` / `tracestate`, plus the request span's own context on api->engine_core
+# messages, so the engine core can link its steps to the request span itself.
+CARRIER_REQUEST = "stepscope-request"

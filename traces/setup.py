@@ -1,0 +1,326 @@
+"""One OpenTelemetry TracerProvider per process, built after the process starts.
+
+Every process of the request path (API server, engine core, each worker) calls `init_tracing`
+once it is running, never inheriting a provider across a fork: a forked child forgets the
+parent's provider and records nothing until it calls `init_tracing` itself. Spans leave through
+a BatchSpanProcessor to the collector (OTLP/HTTP protobuf), straight into a DuckDB file (in-process
+runs), and optionally to any other OTLP endpoint. Spans lost on the way (full queue, failed export)
+are counted and logged, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import Tracer
+
+from stepscope.traces import names as n
+from stepscope.traces.store import SpanBatch, TraceStore
+
+logger = logging.getLogger(__name__)
+
+# A step span links every request it served; the SDK's default limit of 128 links would cut them.
+SPAN_LIMITS = SpanLimits(max_links=4096, max_events=1024, max_span_attributes=128)
+MAX_QUEUE_SIZE = 65_536  # spans buffered per exporter: seconds of engine steps at full speed
+MAX_EXPORT_BATCH_SIZE = 2048
+SCHEDULE_DELAY_MS = 200
+
+
+class TraceSampling:
+    """Which steps record step, worker-step and crossing spans (`--trace-steps`).
+
+    `all` records every step, `every:N` steps whose index is a multiple of N, `off` none. Request
+    spans are always recorded. A span not tied to a step (`step=None`) is recorded unless `off`.
+    """
+
+    __slots__ = ("every", "spec")
+
+    def __init__(self, spec: str = "all") -> None:
+        spec = spec.strip().lower()
+        if spec == "all":
+            self.every = 1
+        elif spec == "off":
+            self.every = 0
+        elif spec.startswith("every:") and spec[6:].isdigit() and int(spec[6:]) > 0:
+            self.every = int(spec[6:])
+        else:
+            raise ValueError(f"--trace-steps must be 'all', 'every:N' (N >= 1) or 'off', got {spec!r}")
+        self.spec = spec
+
+    @property
+    def off(self) -> bool:
+        return self.every == 0
+
+    @property
+    def all(self) -> bool:
+        return self.every == 1
+
+    def records(self, step: int | None) -> bool:
+        if self.every == 0:
+            return False
+        return step is None or self.every == 1 or step % self.every == 0
+
+    def __repr__(self) -> str:
+        return f"TraceSampling({self.spec!r})"
+
+
+class CountingSpanExporter(SpanExporter):
+    """Wraps an exporter and counts spans it failed to deliver."""
+
+    def __init__(self, inner: SpanExporter, label: str) -> None:
+        self.inner = inner
+        self.label = label
+        self.exported = 0
+        self.failed = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception:
+            logger.exception("tracing: exporter %s raised", self.label)
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.SUCCESS:
+            self.exported += len(spans)
+        else:
+            self.failed += len(spans)
+            logger.warning(
+                "tracing: %d spans lost exporting to %s (%d lost in all)",
+                len(spans),
+                self.label,
+                self.failed,
+            )
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class CountingBatchSpanProcessor(BatchSpanProcessor):
+    """A BatchSpanProcessor that counts the spans its full queue (or a shutdown) turns away."""
+
+    def __init__(self, exporter: CountingSpanExporter, **kwargs: int) -> None:
+        super().__init__(exporter, **kwargs)
+        self.counting_exporter = exporter
+        self.max_queue_size = kwargs.get("max_queue_size", MAX_QUEUE_SIZE)
+        self.queue_drops = 0
+        self._last_warning = 0.0
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if not span.context.trace_flags.sampled:
+            return
+        # The SDK's deque silently pushes the oldest span out when full: count it here instead.
+        processor = getattr(self, "_batch_processor", None)
+        queue = getattr(processor, "_queue", None)
+        if getattr(processor, "_shutdown", False) or (
+            queue is not None and len(queue) >= self.max_queue_size
+        ):
+            self.queue_drops += 1
+            now = time.monotonic()
+            if now - self._last_warning > 5.0:
+                self._last_warning = now
+                logger.warning(
+                    "tracing: span queue to %s full or closed, %d spans dropped so far",
+                    self.counting_exporter.label,
+                    self.queue_drops,
+                )
+        super().on_end(span)
+
+    @property
+    def dropped(self) -> int:
+        return self.queue_drops + self.counting_exporter.failed
+
+
+class DuckDBSpanExporter(SpanExporter):
+    """Exports spans straight into a DuckDB trace file: this process owns the file."""
+
+    def __init__(self, db_path: str | os.PathLike[str]) -> None:
+        self.store = TraceStore(db_path)
+        self._closed = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._closed:
+            return SpanExportResult.FAILURE
+        batch = SpanBatch()
+        batch.add_sdk_spans(spans)
+        self.store.insert_batch(batch)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.store.close()
+
+
+def _traces_url(endpoint: str) -> str:
+    """OTLP/HTTP base URL or full URL -> the traces URL."""
+    endpoint = endpoint.rstrip("/")
+    return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
+
+
+@dataclass(slots=True)
+class TracingState:
+    provider: TracerProvider
+    tracer: Tracer
+    sampling: TraceSampling
+    processors: list[CountingBatchSpanProcessor] = field(default_factory=list)
+    pid: int = field(default_factory=os.getpid)
+
+
+# The helpers in `spans` read this on every call: None means tracing is off in this process.
+state: TracingState | None = None
+_lock = threading.Lock()
+_dropped_at_shutdown = 0
+
+
+def init_tracing(
+    service_name: str,
+    *,
+    rank: int | None = None,
+    collector_endpoint: str | None = None,
+    db_path: str | os.PathLike[str] | None = None,
+    otlp_endpoint: str | None = None,
+    trace_steps: str | TraceSampling = "all",
+    exporters: Sequence[SpanExporter] = (),
+    export_timeout_s: float = 10.0,
+    max_queue_size: int = MAX_QUEUE_SIZE,
+    schedule_delay_ms: int = SCHEDULE_DELAY_MS,
+) -> TracerProvider:
+    """Build this process's TracerProvider and make the `spans` helpers record.
+
+    `service_name` is `stepscope.api`, `stepscope.engine_core` or `stepscope.worker` (with
+    `rank`). Spans go to the collector (`collector_endpoint`, its base URL), into `db_path`
+    directly, to `otlp_endpoint` (any OTLP/HTTP backend) and to extra `exporters`; at least one
+    destination is required. Calling it again replaces (and flushes) the previous provider.
+    """
+    global state
+    sampling = trace_steps if isinstance(trace_steps, TraceSampling) else TraceSampling(trace_steps)
+    destinations: list[tuple[SpanExporter, str]] = []
+    if collector_endpoint:
+        url = _traces_url(collector_endpoint)
+        destinations.append((OTLPSpanExporter(endpoint=url, timeout=export_timeout_s), url))
+    if db_path is not None:
+        destinations.append((DuckDBSpanExporter(db_path), os.fspath(db_path)))
+    if otlp_endpoint:
+        url = _traces_url(otlp_endpoint)
+        destinations.append((OTLPSpanExporter(endpoint=url, timeout=export_timeout_s), url))
+    destinations.extend((e, type(e).__name__) for e in exporters)
+    if not destinations:
+        raise ValueError(
+            "init_tracing needs somewhere to send spans: collector_endpoint, db_path, "
+            "otlp_endpoint or exporters"
+        )
+
+    attributes: dict[str, str | int] = {n.SERVICE_NAME: service_name}
+    if rank is not None:
+        attributes[n.RANK] = rank
+    provider = TracerProvider(
+        resource=Resource.create(attributes), sampler=ALWAYS_ON, span_limits=SPAN_LIMITS
+    )
+    processors = []
+    for exporter, label in destinations:
+        processor = CountingBatchSpanProcessor(
+            CountingSpanExporter(exporter, label),
+            max_queue_size=max_queue_size,
+            max_export_batch_size=min(MAX_EXPORT_BATCH_SIZE, max_queue_size),
+            schedule_delay_millis=schedule_delay_ms,
+        )
+        provider.add_span_processor(processor)
+        processors.append(processor)
+
+    with _lock:
+        previous, state = state, None
+        if previous is not None:
+            _shutdown(previous)
+        state = TracingState(
+            provider=provider,
+            tracer=provider.get_tracer("stepscope"),
+            sampling=sampling,
+            processors=processors,
+        )
+    return provider
+
+
+def _shutdown(old: TracingState) -> int:
+    global _dropped_at_shutdown
+    old.provider.shutdown()
+    dropped = sum(p.dropped for p in old.processors)
+    if dropped:
+        logger.warning("tracing: %d spans were dropped in this process", dropped)
+    _dropped_at_shutdown = dropped
+    return dropped
+
+
+def shutdown_tracing() -> int:
+    """Flush and close every exporter; the helpers become no-ops. Returns spans dropped."""
+    global state
+    with _lock:
+        old, state = state, None
+        if old is None:
+            return _dropped_at_shutdown
+        return _shutdown(old)
+
+
+def flush_tracing(timeout_s: float = 30.0) -> bool:
+    """Export every span ended so far (the DuckDB file or the collector then has them)."""
+    current = state
+    return current is None or current.provider.force_flush(int(timeout_s * 1000))
+
+
+def dropped_spans() -> int:
+    """Spans lost so far by this process's provider (or the last one shut down)."""
+    current = state
+    if current is None:
+        return _dropped_at_shutdown
+    return sum(p.dropped for p in current.processors)
+
+
+def get_tracer() -> Tracer | None:
+    """The stepscope tracer of this process, or None when tracing is not initialised."""
+    current = state
+    return None if current is None else current.tracer
+
+
+def get_sampling() -> TraceSampling | None:
+    current = state
+    return None if current is None else current.sampling
+
+
+def is_enabled() -> bool:
+    return state is not None
+
+
+def _forget_in_child() -> None:
+    # A forked child must build its own provider; the parent's exporter threads do not survive.
+    global state, _lock
+    state = None
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+__all__ = [
+    "CountingBatchSpanProcessor",
+    "CountingSpanExporter",
+    "DuckDBSpanExporter",
+    "TraceSampling",
+    "dropped_spans",
+    "flush_tracing",
+    "get_sampling",
+    "get_tracer",
+    "init_tracing",
+    "is_enabled",
+    "shutdown_tracing",
+]
