@@ -17,12 +17,11 @@ def test_importing_kernels_package_loads_neither_torch_nor_triton() -> None:
 
 
 def test_importing_transformers_from_the_root_does_not_import_our_kernels() -> None:
-    # transformers probes for a package named `kernels`; from the root it may find our folder.
+    # transformers probes for a package named `kernels`; from the root it finds our folder and
+    # imports its (empty) __init__, which must pull in none of our kernel modules.
     check = (
         "import sys; from transformers import AutoModelForCausalLM, LlamaForCausalLM; "
         "ours = [m for m in sys.modules if m.startswith(('kernels.', 'stepscope.kernels.'))]; "
-        "assert not ours, ours; "
-        "assert not getattr(sys.modules.get('kernels'), '__path__', None) or "
-        "'triton' not in sys.modules, 'our kernels folder pulled in triton'"
+        "assert not ours, ours"
     )
     subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True)
