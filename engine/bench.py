@@ -70,7 +70,9 @@ def model_flops(cfg: dict, workload: Workload) -> float:
     return total
 
 
-def run_stepscope(model: str, workload: Workload, args: argparse.Namespace) -> float:
+def run_stepscope(
+    model: str, workload: Workload, args: argparse.Namespace, executor: str = "uni"
+) -> float:
     from stepscope.engine.llm import LLM
     from stepscope.engine.sampling_params import SamplingParams
 
@@ -78,6 +80,7 @@ def run_stepscope(model: str, workload: Workload, args: argparse.Namespace) -> f
         model=model,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        executor=executor,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
@@ -91,12 +94,17 @@ def run_stepscope(model: str, workload: Workload, args: argparse.Namespace) -> f
     got = sum(len(o.outputs[0].token_ids) for o in outs)
     assert got == workload.num_output_tokens, (got, workload.num_output_tokens)
     cfg = llm.config
+    stats = llm.get_stats()
     print(
-        f"  stepscope: budget {cfg.max_num_batched_tokens} tokens/step, "
-        f"max_num_seqs {cfg.max_num_seqs}, {llm.engine_core.num_kv_blocks} KV blocks, "
-        f"{llm.engine_core.scheduler.step_index} steps, "
-        f"{llm.engine_core.scheduler.num_preemptions} preemptions"
+        f"  stepscope ({executor}): budget {cfg.max_num_batched_tokens} tokens/step, "
+        f"max_num_seqs {cfg.max_num_seqs}, {stats['num_kv_blocks']} KV blocks, "
+        f"{stats['num_steps']} steps, {stats['num_preemptions']} preemptions"
     )
+    if "crossing_median_s" in stats:
+        print(
+            "  median core -> worker -> core crossing per step: "
+            f"{stats['crossing_median_s'] * 1e6:.0f} us"
+        )
     llm.shutdown()
     return elapsed
 
@@ -156,11 +164,19 @@ def bench_offline(args: argparse.Namespace) -> None:
     )
     peak = matmul_peak_gflops()
     print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 float32)")
-    t_ss = run_stepscope(args.model, workload, args)
-    tps_ss = workload.num_output_tokens / t_ss
     flops = model_flops(cfg, workload)
-    mfu = flops / t_ss / 1e9 / peak
-    print(f"stepscope:    {t_ss:8.1f} s  {tps_ss:7.1f} output tok/s  MFU {mfu:.0%}")
+    results = {}
+    for executor in args.executor.split(","):
+        elapsed = run_stepscope(args.model, workload, args, executor)
+        results[executor] = workload.num_output_tokens / elapsed
+        mfu = flops / elapsed / 1e9 / peak
+        print(
+            f"stepscope ({executor}): {elapsed:8.1f} s  {results[executor]:7.1f} output tok/s  "
+            f"MFU {mfu:.0%}"
+        )
+    if "uni" in results and "mp" in results:
+        print(f"ratio mp / uni: {results['mp'] / results['uni']:.3f}x")
+    tps_ss = max(results.values())
     if args.skip_transformers:
         return
     t_hf = run_transformers(model_dir, workload, args.hf_batch_size)

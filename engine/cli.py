@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--executor",
+        default="uni",
+        help="uni, mp, or both as 'uni,mp' to compare them side by side in one run",
+    )
     p.set_defaults(func=_bench_offline)
     return parser
 

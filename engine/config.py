@@ -46,6 +46,9 @@ class EngineConfig:
     attention_backend: str | None = None
     seed: int = 0
     offline: bool = True
+    # "uni": the worker runs inside the engine core's process; "mp": one process per TP rank.
+    executor: str = "uni"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -83,6 +86,14 @@ class EngineConfig:
                 f"({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) so that any prompt fits in one step"
             )
+        if self.executor not in ("uni", "mp"):
+            raise ValueError(f"executor must be 'uni' or 'mp', got {self.executor!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.tensor_parallel_size > 1 and self.executor != "mp":
+            raise ValueError("tensor_parallel_size > 1 needs executor='mp' (one process per rank)")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"

@@ -22,7 +22,7 @@ def run_demo(model: str) -> None:
     llm = LLM(model=model)
     cfg = llm.config
     print(
-        f"engine: block_size={cfg.block_size} kv_blocks={llm.engine_core.num_kv_blocks} "
+        f"engine: block_size={cfg.block_size} kv_blocks={llm.client.num_kv_blocks} "
         f"budget={cfg.max_num_batched_tokens} tokens/step max_num_seqs={cfg.max_num_seqs} "
         f"prefix_caching={cfg.enable_prefix_caching} attention={cfg.attention_backend}"
     )
@@ -41,5 +41,5 @@ def run_demo(model: str) -> None:
             f"cache; {len(c.token_ids)} generated, finish={c.finish_reason}; "
             f"queue {m.queue_time * 1e3:.0f} ms, TTFT {m.ttft * 1e3:.0f} ms]"
         )
-    steps = llm.engine_core.scheduler.step_index
+    steps = llm.get_stats()["num_steps"]
     print(f"\n{total} tokens in {elapsed:.1f} s ({total / elapsed:.1f} tok/s) over {steps} steps")

@@ -12,10 +12,18 @@ from pathlib import Path
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.executor import Executor, UniProcExecutor
 from stepscope.engine.kv_cache_manager import KVCacheManager
-from stepscope.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from stepscope.engine.messages import EngineCoreOutputs, EngineCoreRequest, ProcessInfo
 from stepscope.engine.models.loader import load_config
 from stepscope.engine.request import Request, RequestStatus
 from stepscope.engine.scheduler import Scheduler
+
+
+def make_executor(config: EngineConfig, model_dir: Path) -> Executor:
+    if config.executor == "mp":
+        from stepscope.engine.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, model_dir, config.tensor_parallel_size)
+    return UniProcExecutor(config, model_dir)
 
 
 def max_model_len_for(config: EngineConfig, model_dir: Path) -> int:
@@ -35,7 +43,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len_for(config, model_dir)
-        self.executor = executor or UniProcExecutor(config, model_dir)
+        self.executor = executor or make_executor(config, model_dir)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         self.executor.init_kv_cache(self.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(
@@ -79,6 +87,25 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, float]:
+        """Counters for /metrics and the dashboard."""
+        s, kv = self.scheduler, self.kv_cache_manager
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "kv_cache_usage": kv.usage,
+            "num_kv_blocks": self.num_kv_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "prefix_queries": kv.prefix_queries,
+            "prefix_hits": kv.prefix_hits,
+            "num_preemptions": s.num_preemptions,
+            "num_steps": s.step_index,
+        }
+
+    def worker_processes(self) -> list[ProcessInfo]:
+        """Worker processes of a multiprocess executor (none when the worker runs in here)."""
+        return [ProcessInfo(role, rank, pid) for role, rank, pid in self.executor.processes()]
 
     def shutdown(self) -> None:
         self.executor.shutdown()

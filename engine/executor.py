@@ -29,6 +29,10 @@ class Executor(ABC):
     def shutdown(self) -> None:  # noqa: B027 - an in-process worker has nothing to stop
         """Stop the workers."""
 
+    def processes(self) -> list[tuple[str, int, int]]:
+        """(role, rank, pid) of each worker process this executor started."""
+        return []
+
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:

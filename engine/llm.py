@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from stepscope.engine.config import EngineConfig
+from stepscope.engine.core_client import InprocClient, SyncMPClient
 from stepscope.engine.detokenizer import IncrementalDetokenizer
 from stepscope.engine.engine_core import EngineCore
 from stepscope.engine.input_processor import InputProcessor, PromptType
-from stepscope.engine.messages import EngineCoreOutput
+from stepscope.engine.messages import EngineCoreOutput, ProcessInfo
 from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
 from stepscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
@@ -53,6 +54,8 @@ class LLM:
         kv_cache_memory_fraction: float | None = None,
         attention_backend: str | None = None,
         seed: int = 0,
+        executor: str = "uni",
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -69,13 +72,19 @@ class LLM:
             attention_backend=attention_backend,
             seed=seed,
             offline=True,
+            executor=executor,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.model_dir = resolve_model(model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.engine_core = EngineCore(self.config, self.model_dir)
+        # "uni": the engine core runs right here; "mp": in its own process, over ZMQ.
+        if executor == "uni":
+            self.client: InprocClient | SyncMPClient = InprocClient(self.config, self.model_dir)
+        else:
+            self.client = SyncMPClient(self.config, self.model_dir)
         self.processor = InputProcessor(
             self.tokenizer,
-            self.engine_core.max_model_len,
+            self.client.max_model_len,
             load_config(self.model_dir)["vocab_size"],
         )
         self._ids = itertools.count()
@@ -107,11 +116,31 @@ class LLM:
         texts = [self.tokenizer.decode(t) for t in token_lists]
         return self._run(texts, token_lists, sampling_params, use_tqdm)
 
+    @property
+    def engine_core(self) -> EngineCore:
+        """The in-process engine core (executor="uni" only), for inspection."""
+        if not isinstance(self.client, InprocClient):
+            raise AttributeError("the engine core runs in another process with executor='mp'")
+        return self.client.core
+
     def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+        return self.client.call_utility("reset_prefix_cache")
+
+    def get_stats(self) -> dict[str, float]:
+        return self.client.call_utility("get_stats")
+
+    def processes(self) -> list[ProcessInfo]:
+        """Every process serving this LLM: role ("api", "engine_core", "worker"), rank, pid."""
+        return self.client.processes()
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        self.client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ---- the loop -----------------------------------------------------------------------------
     def _run(
@@ -152,18 +181,19 @@ class LLM:
                 children[child_id] = (i, child)
             results.append(kids)
         for req in core_requests:
-            self.engine_core.add_request(req)
+            self.client.add_request(req)
         pending = set(children)
         bar = tqdm(total=len(children), desc="generate", disable=not use_tqdm)
         try:
             while pending:
-                for out in self.engine_core.step().outputs:
+                for out in self.client.get_output().outputs:
                     _, child = children[out.request_id]
                     if self._absorb(child, out):
                         pending.discard(out.request_id)
                         bar.update(1)
         except BaseException:
-            self.engine_core.abort_requests(list(pending))
+            if not isinstance(self.client, SyncMPClient) or self.client.dead_reason is None:
+                self.client.abort_requests(list(pending))
             raise
         finally:
             bar.close()
@@ -187,7 +217,7 @@ class LLM:
         stop = child.detokenizer.update(out.new_token_ids, finished)
         if stop is not None and not finished:
             # A stop string is found here, not in the engine core: end the request there too.
-            self.engine_core.abort_requests([out.request_id])
+            self.client.abort_requests([out.request_id])
         if stop is not None:
             child.finish_reason, child.stop_reason = "stop", stop
         elif finished:

@@ -13,6 +13,8 @@ Workers get diffs, not whole batches: a request's tokens and sampling parameters
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from stepscope.engine.sampling_params import SamplingParams
@@ -87,3 +89,60 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+
+
+# ---- the engine-core process: request kinds in, message kinds out ----
+class RequestKind:
+    """First frame of every message sent to the engine core."""
+
+    ADD = b"add"  # EngineCoreRequest
+    ABORT = b"abort"  # list[str] of request ids
+    UTILITY = b"utility"  # UtilityRequest
+    SHUTDOWN = b"shutdown"
+
+
+class OutputKind:
+    """First frame of every message the engine core sends back."""
+
+    OUTPUTS = b"outputs"  # EngineCoreOutputs
+    UTILITY = b"utility"  # UtilityResult
+    READY = b"ready"  # EngineCoreReady
+    DEAD = b"dead"  # EngineDead
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str  # "get_stats", "reset_prefix_cache", "processes"
+    args: list = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class ProcessInfo(msgspec.Struct, array_like=True):
+    role: str  # "api", "engine_core", "worker"
+    rank: int
+    pid: int
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True):
+    num_kv_blocks: int
+    max_model_len: int
+    processes: list[ProcessInfo]
+
+
+class EngineDead(msgspec.Struct, array_like=True):
+    reason: str
+
+
+class CoreProcArgs(msgspec.Struct):
+    """What a new engine-core process reads from its stdin at start."""
+
+    config: dict[str, Any]  # EngineConfig fields
+    model_dir: str
+    input_addr: str
+    output_addr: str
+    parent_pid: int
