@@ -86,7 +86,9 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     first = ref.index(stop_at)
     out = llm.generate(PROMPTS[2], greedy(12, stop_token_ids=[stop_at]), use_tqdm=False)[0]
     c = out.outputs[0]
-    assert c.token_ids == ref[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_at
+    assert (
+        c.token_ids == ref[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_at
+    )
     later = llm.generate(
         PROMPTS[2], greedy(12, stop_token_ids=[stop_at], min_tokens=first + 2), use_tqdm=False
     )[0].outputs[0]
