@@ -132,9 +132,9 @@ class AsyncLLM:
             m.finished_time = out.events.get("finished", time.time())
         new_tokens = detok.token_ids[stream.num_sent_tokens :]
         stream.num_sent_tokens = len(detok.token_ids)
-        logprobs = [
-            dict(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in out.new_logprobs
-        ][: len(new_tokens)]
+        logprobs = [dict(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in out.new_logprobs][
+            : len(new_tokens)
+        ]
         completion = CompletionOutput(
             index=0,
             text=detok.get_next_output_text(done, delta=True),

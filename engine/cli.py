@@ -21,6 +21,12 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(args.model)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from stepscope.engine.serve import serve
+
+    serve(args)
+
+
 def _bench_offline(args: argparse.Namespace) -> None:
     from stepscope.engine.bench import bench_offline
 
@@ -38,6 +44,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run a small sample workload and show what the engine did")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible server, engine core and workers")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--executor", choices=["uni", "mp"], default="mp")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests held at once; past it the server answers 503 + Retry-After",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -186,9 +186,7 @@ class SyncMPClient:
 
     def _check_alive(self) -> None:
         if self.dead_reason is None and not self.process.alive:
-            self.dead_reason = (
-                f"the engine core process died (exit code {self.process.exitcode})"
-            )
+            self.dead_reason = f"the engine core process died (exit code {self.process.exitcode})"
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
 

@@ -13,6 +13,7 @@ from stepscope.engine.config import EngineConfig
 from stepscope.engine.executor import Executor, UniProcExecutor
 from stepscope.engine.kv_cache_manager import KVCacheManager
 from stepscope.engine.messages import EngineCoreOutputs, EngineCoreRequest, ProcessInfo
+from stepscope.engine.metrics import TOKENS_PER_STEP_BUCKETS, Histogram
 from stepscope.engine.models.loader import load_config
 from stepscope.engine.request import Request, RequestStatus
 from stepscope.engine.scheduler import Scheduler
@@ -56,6 +57,9 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
+        self.step_tokens = Histogram(
+            "stepscope:tokens_per_step", "Tokens scheduled per step.", TOKENS_PER_STEP_BUCKETS
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(
@@ -77,6 +81,8 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens:
+            self.step_tokens.observe(scheduler_output.total_num_scheduled_tokens)
         if scheduler_output.total_num_scheduled_tokens == 0 and not (
             scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
         ):
@@ -88,7 +94,7 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> dict:
         """Counters for /metrics and the dashboard."""
         s, kv = self.scheduler, self.kv_cache_manager
         return {
@@ -101,6 +107,9 @@ class EngineCore:
             "prefix_hits": kv.prefix_hits,
             "num_preemptions": s.num_preemptions,
             "num_steps": s.step_index,
+            "num_busy_steps": self.step_tokens.count,
+            "step_tokens_counts": self.step_tokens.counts,
+            "step_tokens_sum": self.step_tokens.total,
         }
 
     def worker_processes(self) -> list[ProcessInfo]:

@@ -60,6 +60,7 @@ class ModelRunner:
         self.model = LlamaModel(
             self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce
         )
+        self.tp_size = tp_size
         self.num_kv_heads = self.shape.num_kv_heads // tp_size
         self.sampler = Sampler(self.device, config.seed)
         self.requests: dict[str, CachedRequestState] = {}
@@ -81,6 +82,7 @@ class ModelRunner:
         else:
             avail = available_memory_bytes()
             budget = int(avail * fraction) if fraction else min(CPU_KV_CACHE_MAX_BYTES, avail // 4)
+            budget //= self.tp_size  # tensor-parallel ranks on a CPU share this host's memory
         return max(budget // self.kv_block_bytes(), 1)
 
     def init_kv_cache(self, num_blocks: int) -> None:

@@ -32,6 +32,10 @@ slower than ZMQ. ZMQ blocks in the kernel, costs nothing while idle, and ~0.1 ms
 of a CPU step. The XPUB side counts one subscription per worker before the executor is ready, so
 no step is sent before every SUB socket can receive it.
 
+`last_crossing_seconds` is the last step's core -> worker -> core time without the forward: the
+round trip less rank 0's time inside `execute_model` (so encoding, both socket hops, decoding and
+the process wake-ups count; waiting on a peer's all-reduce counts as forward).
+
 Failure is explicit: the core waits for replies with zmq.Poller on the PULL socket and on every
 worker's process sentinel, so a worker that dies makes the waiting call raise RuntimeError at
 once; the other ranks are then terminated and every later call raises. Workers exit by

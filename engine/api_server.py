@@ -1,0 +1,563 @@
+"""The OpenAI-compatible HTTP server (stages 1, 2, 9 and 10 of the request path).
+
+FastAPI in the API process: validate, tokenize, hand the request to `AsyncLLM` (which crosses
+into the engine-core process), detokenize what comes back and stream it out as SSE. Errors keep
+OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the status codes the
+official client maps to its exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from stepscope.engine.async_llm import AsyncLLM
+from stepscope.engine.core_client import EngineDeadError
+from stepscope.engine.metrics import ServerMetrics
+from stepscope.engine.outputs import RequestOutput
+from stepscope.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+    now,
+)
+from stepscope.engine.sampling_params import SamplingParams
+
+VERSION = "0.1.0"
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = code if code is not None else status
+        self.headers = headers
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param)
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncLLM
+    model_name: str
+    api_key: str | None
+    max_queued_requests: int
+    metrics: ServerMetrics
+    in_flight: int = 0
+
+
+def build_app(
+    engine_factory,
+    model_name: str,
+    api_key: str | None = None,
+    max_queued_requests: int = 256,
+) -> FastAPI:
+    """`engine_factory()` builds the AsyncLLM when the server starts (its processes with it)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = engine_factory()
+        app.state.s = ServerState(
+            engine, model_name, api_key, max_queued_requests, ServerMetrics(model_name)
+        )
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="stepscope", version=VERSION, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.message, exc.type, exc.param, exc.code),
+            status_code=exc.status,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON body: {first.get('ctx', {}).get('error', message)}"
+            loc = []
+        elif loc:
+            message = f"{'.'.join(loc)}: {message}"
+        return JSONResponse(
+            error_body(message, "invalid_request_error", ".".join(loc) or None, 400),
+            status_code=400,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(exc.detail), kind, None, exc.status_code), status_code=exc.status_code
+        )
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        s: ServerState = request.app.state.s
+        if s.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given, f"Bearer {s.api_key}"):
+                return JSONResponse(
+                    error_body(
+                        "invalid or missing API key",
+                        "authentication_error",
+                        None,
+                        "invalid_api_key",
+                    ),
+                    status_code=401,
+                )
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health(request: Request) -> Any:
+        engine = request.app.state.s.engine
+        if engine.is_dead:
+            return JSONResponse(error_body(engine.dead_reason, "engine_dead", None, 503), 503)
+        return PlainTextResponse("")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        s: ServerState = request.app.state.s
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.model_name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "stepscope",
+                    "max_model_len": s.engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> PlainTextResponse:
+        s: ServerState = request.app.state.s
+        try:
+            stats = await asyncio.wait_for(s.engine.get_stats(), timeout=5)
+        except (EngineDeadError, TimeoutError) as e:
+            raise APIError(503, f"engine unavailable: {e}", "engine_dead") from e
+        return PlainTextResponse(
+            s.metrics.render(stats, s.in_flight), media_type="text/plain; version=0.0.4"
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        s: ServerState = request.app.state.s
+        _check_model(s, body.model)
+        prompts = _completion_prompts(body.prompt)
+        params = _sampling_params(body, body.max_tokens, body.logprobs)
+        token_lists = [_tokenize(s, p) for p in prompts]
+        return await _serve(s, request, body, "text_completion", token_lists, params)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        s: ServerState = request.app.state.s
+        _check_model(s, body.model)
+        top = body.top_logprobs if body.top_logprobs is not None else 0
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = _sampling_params(body, max_tokens, top if body.logprobs else None)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = s.engine.processor.apply_chat_template(messages)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from e
+        _check_length(s, ids, params)
+        return await _serve(s, request, body, "chat", [ids], params)
+
+    return app
+
+
+# ---- request handling ---------------------------------------------------------------------------
+def _check_model(s: ServerState, model: str) -> None:
+    if model != s.model_name:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {s.model_name!r}",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=stop,
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+
+
+def _tokenize(s: ServerState, prompt: str | list[int]) -> list[int]:
+    try:
+        return s.engine.processor.tokenize(prompt)
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from e
+
+
+def _check_length(s: ServerState, ids: list[int], params: SamplingParams) -> None:
+    limit = s.engine.max_model_len
+    if not ids:
+        raise bad_request("the prompt is empty", "prompt")
+    if len(ids) >= limit:
+        raise bad_request(
+            f"the prompt has {len(ids)} tokens, but this model's context is {limit} tokens",
+            "prompt",
+        )
+    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+        raise bad_request(
+            f"max_tokens ({params.max_tokens}) plus the prompt ({len(ids)} "
+            f"tokens) exceeds the context of {limit} tokens",
+            "max_tokens",
+        )
+    if any(t < 0 or t >= s.engine.processor.vocab_size for t in ids):
+        raise bad_request("prompt token ids out of the vocabulary", "prompt")
+
+
+async def _serve(
+    s: ServerState,
+    request: Request,
+    body: Any,
+    kind: str,
+    token_lists: list[list[int]],
+    params: SamplingParams,
+) -> Any:
+    for ids in token_lists:
+        _check_length(s, ids, params)
+    num_children = len(token_lists) * params.n
+    if s.in_flight + num_children > s.max_queued_requests:
+        s.metrics.rejected_queue_full += 1
+        raise APIError(
+            503,
+            "the server is at capacity; retry later",
+            "server_overloaded",
+            headers={"Retry-After": "1"},
+        )
+    base_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+    children = []
+    for p_idx, ids in enumerate(token_lists):
+        for i in range(params.n):
+            child = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child = msgspec.structs.replace(params, n=1, seed=seed)
+            children.append((p_idx * params.n + i, ids, child, f"{base_id}-{p_idx}-{i}"))
+    stream = _merged(s, children)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(s, kind, base_id, stream, include_usage, token_lists, params),
+            media_type="text/event-stream",
+        )
+    return await _full(s, request, kind, base_id, stream, token_lists, params)
+
+
+async def _merged(s: ServerState, children: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of every child request as they arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+    s.in_flight += len(children)
+
+    async def pump(index: int, ids: list[int], params: SamplingParams, rid: str) -> None:
+        started = time.time()
+        last = None
+        num_tokens = 0
+        try:
+            async for out in s.engine.generate(ids, params, rid):
+                t = time.time()
+                new = len(out.outputs[0].token_ids)
+                if last is not None and new:
+                    s.metrics.itl.observe((t - last) / new)
+                if new:
+                    last = t
+                num_tokens += new
+                await queue.put((index, out))
+                if out.finished:
+                    m = out.metrics
+                    s.metrics.observe_finished(
+                        out.outputs[0].finish_reason or "abort",
+                        len(ids),
+                        num_tokens,
+                        m.queue_time,
+                        m.ttft,
+                        (m.finished_time or t) - started,
+                    )
+        except BaseException as e:
+            await queue.put((index, e))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(*c)) for c in children]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        s.in_flight -= len(children)
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is dead: {e}", "engine_dead")
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    return APIError(500, f"{type(e).__name__}: {e}", "internal_error")
+
+
+def _completion_logprobs(tokenizer, out_logprobs, token_ids) -> dict:
+    tokens = [tokenizer.convert_ids_to_tokens(t) for t in token_ids]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.get(t) for lp, t in zip(out_logprobs, token_ids, strict=False)],
+        "top_logprobs": [
+            {tokenizer.convert_ids_to_tokens(k): v for k, v in list(lp.items())[1:]}
+            for lp in out_logprobs
+        ],
+        "text_offset": [],
+    }
+
+
+def _chat_logprobs(tokenizer, out_logprobs, token_ids) -> dict:
+    content = []
+    for lp, t in zip(out_logprobs, token_ids, strict=False):
+        tok = tokenizer.decode([t])
+        top = [
+            {
+                "token": tokenizer.decode([k]),
+                "logprob": v,
+                "bytes": list(tokenizer.decode([k]).encode()),
+            }
+            for k, v in list(lp.items())[1:]
+        ]
+        content.append(
+            {"token": tok, "logprob": lp.get(t), "bytes": list(tok.encode()), "top_logprobs": top}
+        )
+    return {"content": content}
+
+
+async def _full(s, request, kind, base_id, stream, token_lists, params) -> dict:
+    texts: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+    lps: dict[int, list[dict]] = {}
+    finish: dict[int, str | None] = {}
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        async for index, out in _race(stream, watcher):
+            c = out.outputs[0]
+            texts.setdefault(index, []).append(c.text)
+            ids.setdefault(index, []).extend(c.token_ids)
+            lps.setdefault(index, []).extend(c.logprobs or [])
+            if out.finished:
+                finish[index] = c.finish_reason
+    except APIError:
+        raise
+    except BaseException as e:
+        raise _engine_error(e) from e
+    finally:
+        watcher.cancel()
+    tok = s.engine.tokenizer
+    choices = []
+    for index in sorted(texts):
+        text = "".join(texts[index])
+        if kind == "chat":
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": _chat_logprobs(tok, lps[index], ids[index], params.logprobs)
+                if params.logprobs is not None
+                else None,
+                "finish_reason": finish.get(index),
+            }
+        else:
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": _completion_logprobs(tok, lps[index], ids[index], params.logprobs)
+                if params.logprobs is not None
+                else None,
+                "finish_reason": finish.get(index),
+            }
+        choices.append(choice)
+    prompt_tokens = sum(len(t) for t in token_lists)
+    completion_tokens = sum(len(v) for v in ids.values())
+    return {
+        "id": base_id,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": now(),
+        "model": s.model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.5)
+
+
+async def _race(stream: AsyncIterator, watcher: asyncio.Task) -> AsyncIterator:
+    """Yield from `stream` until it ends or the client disconnects (then abort by closing it)."""
+    try:
+        while True:
+            nxt = asyncio.ensure_future(stream.__anext__())
+            await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                return
+            try:
+                yield nxt.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        await stream.aclose()
+
+
+async def _sse(s, kind, base_id, stream, include_usage, token_lists, params) -> AsyncIterator[str]:
+    created = now()
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    tok = s.engine.tokenizer
+    counts: dict[int, int] = {}
+    started: set[int] = set()
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {
+            "id": base_id,
+            "object": obj,
+            "created": created,
+            "model": s.model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        async for index, out in stream:
+            c = out.outputs[0]
+            counts[index] = counts.get(index, 0) + len(c.token_ids)
+            if kind == "chat":
+                delta: dict[str, Any] = {}
+                if index not in started:
+                    delta["role"] = "assistant"
+                    started.add(index)
+                if c.text or out.finished:
+                    delta["content"] = c.text
+                lp = (
+                    _chat_logprobs(tok, c.logprobs or [], c.token_ids, params.logprobs)
+                    if params.logprobs is not None
+                    else None
+                )
+                choice = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason if out.finished else None,
+                }
+            else:
+                lp = (
+                    _completion_logprobs(tok, c.logprobs or [], c.token_ids, params.logprobs)
+                    if params.logprobs is not None
+                    else None
+                )
+                choice = {
+                    "index": index,
+                    "text": c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason if out.finished else None,
+                }
+            yield chunk([choice])
+    except BaseException as e:
+        if isinstance(e, asyncio.CancelledError | GeneratorExit):
+            raise
+        err = _engine_error(e)
+        yield f"data: {json.dumps(error_body(err.message, err.type, None, err.code))}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    finally:
+        await stream.aclose()
+    if include_usage:
+        prompt_tokens = sum(len(t) for t in token_lists)
+        completion = sum(counts.values())
+        yield chunk(
+            [],
+            {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            },
+        )
+    yield "data: [DONE]\n\n"
