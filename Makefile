@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup demo test bench lint format
+.PHONY: setup demo test bench lint format gpu-check gpu-check-dry
 
 setup: $(STAMP)
 
@@ -34,3 +34,11 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# On a CUDA machine, which has no .venv: kernel tests compiled, smollm2-shaped end to end, kernel
+# and engine benchmarks; see docs/gpu-check.md.
+gpu-check:
+	python3 kernels/gpu_check.py
+
+gpu-check-dry: setup
+	$(PY) kernels/gpu_check.py --dry-run --out runs/gpu-check-dry.md

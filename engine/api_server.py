@@ -21,6 +21,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stepscope.engine.async_llm import AsyncLLM
@@ -80,6 +81,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = engine_factory()
+        engine.start()
         app.state.s = ServerState(
             engine, model_name, api_key, max_queued_requests, ServerMetrics(model_name)
         )
@@ -294,6 +296,8 @@ async def _serve(
             "server_overloaded",
             headers={"Retry-After": "1"},
         )
+    # Reserve the slots now, before any await, so concurrent handlers see each other.
+    slot = _Slot(s, num_children)
     base_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
     children = []
     for p_idx, ids in enumerate(token_lists):
@@ -303,21 +307,38 @@ async def _serve(
                 seed = None if params.seed is None else params.seed + i
                 child = msgspec.structs.replace(params, n=1, seed=seed)
             children.append((p_idx * params.n + i, ids, child, f"{base_id}-{p_idx}-{i}"))
-    stream = _merged(s, children)
+    stream = _merged(s, children, slot)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _sse(s, kind, base_id, stream, include_usage, token_lists, params),
             media_type="text/event-stream",
+            background=BackgroundTask(slot.release),
         )
-    return await _full(s, request, kind, base_id, stream, token_lists, params)
+    try:
+        return await _full(s, request, kind, base_id, stream, token_lists, params)
+    finally:
+        slot.release()
 
 
-async def _merged(s: ServerState, children: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+class _Slot:
+    """Requests held by the server for one HTTP call; released exactly once."""
+
+    def __init__(self, s: ServerState, n: int) -> None:
+        self.s, self.n = s, n
+        s.in_flight += n
+
+    def release(self) -> None:
+        self.s.in_flight -= self.n
+        self.n = 0
+
+
+async def _merged(
+    s: ServerState, children: list, slot: _Slot
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the outputs of every child request as they arrive."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
-    s.in_flight += len(children)
 
     async def pump(index: int, ids: list[int], params: SamplingParams, rid: str) -> None:
         started = time.time()
@@ -363,7 +384,7 @@ async def _merged(s: ServerState, children: list) -> AsyncIterator[tuple[int, Re
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        s.in_flight -= len(children)
+        slot.release()
 
 
 def _engine_error(e: BaseException) -> APIError:
@@ -374,20 +395,24 @@ def _engine_error(e: BaseException) -> APIError:
     return APIError(500, f"{type(e).__name__}: {e}", "internal_error")
 
 
-def _completion_logprobs(tokenizer, out_logprobs, token_ids) -> dict:
+def _top(lp: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The top-n of one position: its dict holds the sampled token and the top-n, which overlap."""
+    return sorted(lp.items(), key=lambda kv: -kv[1])[:n]
+
+
+def _completion_logprobs(tokenizer, out_logprobs, token_ids, n: int) -> dict:
     tokens = [tokenizer.convert_ids_to_tokens(t) for t in token_ids]
     return {
         "tokens": tokens,
         "token_logprobs": [lp.get(t) for lp, t in zip(out_logprobs, token_ids, strict=False)],
         "top_logprobs": [
-            {tokenizer.convert_ids_to_tokens(k): v for k, v in list(lp.items())[1:]}
-            for lp in out_logprobs
+            {tokenizer.convert_ids_to_tokens(k): v for k, v in _top(lp, n)} for lp in out_logprobs
         ],
         "text_offset": [],
     }
 
 
-def _chat_logprobs(tokenizer, out_logprobs, token_ids) -> dict:
+def _chat_logprobs(tokenizer, out_logprobs, token_ids, n: int) -> dict:
     content = []
     for lp, t in zip(out_logprobs, token_ids, strict=False):
         tok = tokenizer.decode([t])
@@ -397,7 +422,7 @@ def _chat_logprobs(tokenizer, out_logprobs, token_ids) -> dict:
                 "logprob": v,
                 "bytes": list(tokenizer.decode([k]).encode()),
             }
-            for k, v in list(lp.items())[1:]
+            for k, v in _top(lp, n)
         ]
         content.append(
             {"token": tok, "logprob": lp.get(t), "bytes": list(tok.encode()), "top_logprobs": top}

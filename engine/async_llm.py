@@ -59,6 +59,10 @@ class AsyncLLM:
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
+    def start(self) -> None:
+        """Begin reading outputs and watching the engine core (inside the running loop)."""
+        self._ensure_started()
+
     def _ensure_started(self) -> None:
         if not self._started:
             self.client.start(self._on_outputs, self._on_dead)

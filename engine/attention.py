@@ -104,8 +104,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(block_size, device)
         # Gathered keys and values are written into buffers reused across layers and steps:
         # a fresh multi-MB allocation per layer costs more in page faults than the copy itself.
-        self._kbuf = torch.empty(0, device=device)
-        self._vbuf = torch.empty(0, device=device)
+        self._bufs: dict[str, torch.Tensor] = {}
 
     def _build_groups(
         self, seqs: list[SeqInfo], query_start_loc: torch.Tensor, block_tables: torch.Tensor
@@ -160,11 +159,14 @@ class TorchAttentionBackend(AttentionBackend):
             mask=mask[:, None].to(dev),
         )
 
-    def _gather(self, cache: torch.Tensor, buf: torch.Tensor, g: PaddedGroup) -> torch.Tensor:
+    def _gather(self, cache: torch.Tensor, which: str, g: PaddedGroup) -> torch.Tensor:
         n = g.kv_blocks.numel()
         block_numel = cache[0].numel()
-        if buf.numel() < n * block_numel:
-            buf.resize_(n * block_numel)
+        buf = self._bufs.get(which)
+        if buf is None or buf.dtype != cache.dtype or buf.numel() < n * block_numel:
+            buf = self._bufs[which] = torch.empty(
+                n * block_numel, dtype=cache.dtype, device=cache.device
+            )
         out = buf[: n * block_numel].view(n, *cache.shape[1:])
         torch.index_select(cache, 0, g.kv_blocks, out=out)
         batch = n // g.max_blocks
@@ -177,8 +179,8 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for g in meta.groups:
-            kg = self._gather(k_cache, self._kbuf, g)
-            vg = self._gather(v_cache, self._vbuf, g)
+            kg = self._gather(k_cache, "k", g)
+            vg = self._gather(v_cache, "v", g)
             if g.q_index is None:  # one query per request: [B, H, 1, D]
                 qg = q[g.rows][:, :, None, :]
             else:

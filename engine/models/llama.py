@@ -124,9 +124,11 @@ class LlamaModel:
             LlamaLayer(self._layer_weights(w, i, tp_rank, tp_size), shape, tp_size)
             for i in range(shape.num_layers)
         ]
-        self.cos, self.sin = rope_cos_sin(
+        # Computed in float32, then cast to the model's dtype, as transformers does.
+        cos, sin = rope_cos_sin(
             shape.max_position_embeddings, shape.head_dim, shape.rope_theta, device
         )
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
 
     def _layer_weights(
         self, w: dict[str, torch.Tensor], i: int, rank: int, size: int

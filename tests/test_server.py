@@ -1,0 +1,321 @@
+"""A real `stepscope serve` process on loopback, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.server_utils import Server
+
+MODEL = "tiny-llama"
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(
+        "--model",
+        MODEL,
+        "--num-kv-blocks",
+        "256",
+        "--api-key",
+        KEY,
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "64",
+    )
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def greedy(**kw) -> dict:
+    return {"model": MODEL, "temperature": 0, "max_tokens": 8, **kw}
+
+
+def test_models_lists_the_served_model(client) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_completion_returns_text_usage_and_finish_reason(client) -> None:
+    r = client.completions.create(prompt="Hello, my name is", **greedy())
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.created > 0
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.text
+    assert r.usage.completion_tokens == 8 and r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_chat_completion_uses_the_chat_template(client) -> None:
+    r = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **greedy())
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens > 5  # system prompt + template tokens around "Hi"
+
+
+def test_a_list_of_prompts_gives_one_choice_each_and_token_ids_work(client) -> None:
+    r = client.completions.create(prompt=["one", "two", "three"], **greedy())
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    single = client.completions.create(prompt="two", **greedy())
+    assert r.choices[1].text == single.choices[0].text
+    ids = client.completions.create(prompt=[17, 42, 99], **greedy())
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_n_2_returns_two_choices(client) -> None:
+    r = client.completions.create(prompt="Once", n=2, **greedy(temperature=1.0, seed=3))
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 16
+
+
+def test_seed_makes_sampling_reproducible(client) -> None:
+    kw = greedy(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
+    a = client.completions.create(prompt="The weather", **kw).choices[0].text
+    b = client.completions.create(prompt="The weather", **kw).choices[0].text
+    c = client.completions.create(prompt="The weather", **{**kw, "seed": 99}).choices[0].text
+    assert a == b and a != c
+
+
+def test_logprobs_in_completions_and_chat(client) -> None:
+    r = client.completions.create(prompt="Hello", logprobs=3, **greedy(max_tokens=4))
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}],
+        logprobs=True,
+        top_logprobs=2,
+        **greedy(max_tokens=4),
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+def test_stop_strings_streamed_and_not(client) -> None:
+    full = client.completions.create(prompt="Once upon a time", **greedy(max_tokens=16))
+    text = full.choices[0].text
+    stop = text[len(text) // 2 :][:3]
+    cut = text.index(stop)
+    r = client.completions.create(prompt="Once upon a time", stop=[stop], **greedy(max_tokens=16))
+    assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(
+        prompt="Once upon a time", stop=stop, stream=True, **greedy(max_tokens=16)
+    )
+    pieces = list(chunks)
+    streamed = "".join(p.choices[0].text for p in pieces if p.choices)
+    assert streamed == text[:cut] and pieces[-1].choices[0].finish_reason == "stop"
+
+
+def test_streaming_chat_with_usage_matches_non_streaming(client) -> None:
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    full = client.chat.completions.create(messages=messages, **greedy(max_tokens=12))
+    stream = client.chat.completions.create(
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+        **greedy(max_tokens=12),
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_async_client_streams(server) -> None:
+    async def run() -> str:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+        stream = await client.completions.create(prompt="Hello", stream=True, **greedy())
+        return "".join([c.choices[0].text async for c in stream])
+
+    sync = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
+    assert asyncio.run(run()) == sync.completions.create(prompt="Hello", **greedy()).choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"max_tokens": -1}, openai.BadRequestError),
+        ({"temperature": -0.5}, openai.BadRequestError),
+        ({"n": 1000}, openai.BadRequestError),
+        ({"prompt": "word " * 600}, openai.BadRequestError),
+        ({"model": "gpt-4"}, openai.NotFoundError),
+    ],
+)
+def test_bad_requests_raise_the_matching_openai_errors(client, kwargs, error) -> None:
+    with pytest.raises(error) as info:
+        client.completions.create(**{"prompt": "Hi", **greedy(), **kwargs})
+    body = info.value.body
+    assert set(body) >= {"message", "type", "param", "code"}
+
+
+def test_malformed_json_is_a_400_in_openai_shape(server) -> None:
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+
+
+def test_wrong_or_missing_api_key_is_a_401(server) -> None:
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+
+
+def test_health_version_and_metrics(server, client) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "version" in httpx.get(f"{server.url}/version").json()
+    client.completions.create(prompt="Hi", **greedy())
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in [
+        "stepscope:num_requests_running",
+        "stepscope:num_requests_waiting",
+        "stepscope:kv_cache_usage_perc",
+        "stepscope:prefix_cache_queries_total",
+        "stepscope:prefix_cache_hits_total",
+        "stepscope:num_preemptions_total",
+        "stepscope:prompt_tokens_total",
+        "stepscope:generation_tokens_total",
+        "stepscope:time_to_first_token_seconds_bucket",
+        "stepscope:inter_token_latency_seconds_bucket",
+        "stepscope:e2e_request_latency_seconds_bucket",
+        "stepscope:request_queue_time_seconds_bucket",
+        "stepscope:tokens_per_step_bucket",
+    ]:
+        assert name in text, name
+    assert server.metric("stepscope:generation_tokens_total") >= 8
+
+
+def test_64_concurrent_streams_equal_sequential_greedy_outputs(server) -> None:
+    prompts = [f"Request number {i} says" for i in range(64)]
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+        async def one(p: str) -> str:
+            stream = await client.completions.create(prompt=p, stream=True, **greedy())
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    concurrent = asyncio.run(run())
+    sync = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
+    sequential = [sync.completions.create(prompt=p, **greedy()).choices[0].text for p in prompts]
+    assert concurrent == sequential
+
+
+def test_client_disconnect_aborts_the_request(server) -> None:
+    body = {"prompt": "Go on forever", "stream": True, **greedy(max_tokens=400, ignore_eos=True)}
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    ) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert server.metric("stepscope:num_requests_running") == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and server.metric("stepscope:num_requests_running") != 0:
+        time.sleep(0.2)
+    assert server.metric("stepscope:num_requests_running") == 0
+    assert server.metric("stepscope:kv_cache_usage_perc") == 0.0
+
+
+def test_openapi_describes_the_api_and_schemathesis_finds_no_5xx(server) -> None:
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
+    result = subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "schemathesis"),
+            "run",
+            f"{server.url}/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "25",
+            "--header",
+            f"Authorization: Bearer {KEY}",
+            "--request-timeout",
+            "60",
+            "--seed",
+            "1",
+            "--phases",
+            "examples,coverage,fuzzing",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_waiting_queue_is_bounded_with_503_and_retry_after() -> None:
+    s = Server("--model", MODEL, "--num-kv-blocks", "64", "--max-queued-requests", "2")
+    try:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await asyncio.gather(
+                    *(c.post(f"{s.url}/v1/completions", json=body) for _ in range(4))
+                )
+
+        codes = sorted(r.status_code for r in asyncio.run(run()))
+        assert codes.count(200) >= 2 and 503 in codes
+        rejected = next(r for r in asyncio.run(run()) if r.status_code == 503)
+        assert rejected.headers["retry-after"] and rejected.json()["error"]["message"]
+    finally:
+        s.stop()
+
+
+def test_health_turns_503_when_the_engine_dies_and_ctrl_c_leaves_no_process() -> None:
+    s = Server("--model", MODEL, "--num-kv-blocks", "64", "--tp", "2")
+    children = [p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)]
+    core = next(
+        p for p in psutil.Process(s.proc.pid).children() if "core_proc" in " ".join(p.cmdline())
+    )
+    os.kill(core.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    status = 200
+    while time.monotonic() < deadline and status == 200:
+        status = httpx.get(f"{s.url}/health").status_code
+        time.sleep(0.1)
+    assert status == 503
+    r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 503
+    s.stop()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in children):
+        time.sleep(0.2)
+    assert not [
+        p
+        for p in children
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
