@@ -6,7 +6,9 @@ core runs in its own process.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 
 from stepscope.engine.config import EngineConfig
@@ -57,6 +59,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
+        # core -> worker -> core time per step, less the worker's own execute (mp executor only).
+        self.crossing_seconds: deque[float] = deque(maxlen=10_000)
         self.step_tokens = Histogram(
             "stepscope:tokens_per_step", "Tokens scheduled per step.", TOKENS_PER_STEP_BUCKETS
         )
@@ -88,6 +92,9 @@ class EngineCore:
         ):
             return EngineCoreOutputs(outputs=[], timestamp=time.time())
         runner_output = self.executor.execute_model(scheduler_output)
+        crossing = getattr(self.executor, "last_crossing_seconds", None)
+        if crossing is not None:
+            self.crossing_seconds.append(crossing)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
@@ -110,6 +117,11 @@ class EngineCore:
             "num_busy_steps": self.step_tokens.count,
             "step_tokens_counts": self.step_tokens.counts,
             "step_tokens_sum": self.step_tokens.total,
+            **(
+                {"crossing_median_s": statistics.median(self.crossing_seconds)}
+                if self.crossing_seconds
+                else {}
+            ),
         }
 
     def worker_processes(self) -> list[ProcessInfo]:

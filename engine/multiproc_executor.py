@@ -335,12 +335,15 @@ class MultiprocExecutor(Executor):
 # ---- worker process --------------------------------------------------------------------------
 
 
-def _exit_when_parent_dies(parent_pid: int) -> None:
-    """A watcher thread: exit even while the main thread is blocked (a recv, an all-reduce)."""
+def _exit_when_parent_dies(parent_pid: int, socket_dir: str | None) -> None:
+    """A watcher thread: exit even while the main thread is blocked (a recv, an all-reduce), and
+    remove the socket dir the dead parent can no longer remove."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -384,7 +387,7 @@ def _worker_main(
     parent_pid: int,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine core's to handle
-    _exit_when_parent_dies(parent_pid)
+    _exit_when_parent_dies(parent_pid, socket_dir if rank == 0 else None)
     ctx = zmq.Context()
     bcast = ctx.socket(zmq.SUB)
     bcast.setsockopt(zmq.SUBSCRIBE, b"")
