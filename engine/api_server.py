@@ -36,6 +36,8 @@ from stepscope.engine.protocol import (
     now,
 )
 from stepscope.engine.sampling_params import SamplingParams
+from stepscope.traces import names
+from stepscope.traces.setup import dropped_spans
 
 VERSION = "0.1.0"
 
@@ -174,8 +176,9 @@ def build_app(
             stats = await asyncio.wait_for(s.engine.get_stats(), timeout=5)
         except (EngineDeadError, TimeoutError) as e:
             raise APIError(503, f"engine unavailable: {e}", "engine_dead") from e
+        dropped = dropped_spans() + int(stats.get("trace_spans_dropped", 0))
         return PlainTextResponse(
-            s.metrics.render(stats, s.in_flight), media_type="text/plain; version=0.0.4"
+            s.metrics.render(stats, s.in_flight, dropped), media_type="text/plain; version=0.0.4"
         )
 
     @app.post("/v1/completions")
@@ -307,7 +310,9 @@ async def _serve(
                 seed = None if params.seed is None else params.seed + i
                 child = msgspec.structs.replace(params, n=1, seed=seed)
             children.append((p_idx * params.n + i, ids, child, f"{base_id}-{p_idx}-{i}"))
-    stream = _merged(s, children, slot)
+    operation = names.OPERATION_CHAT if kind == "chat" else names.OPERATION_TEXT_COMPLETION
+    headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
+    stream = _merged(s, children, slot, operation, headers)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -334,7 +339,7 @@ class _Slot:
 
 
 async def _merged(
-    s: ServerState, children: list, slot: _Slot
+    s: ServerState, children: list, slot: _Slot, operation: str, headers: dict[str, str]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the outputs of every child request as they arrive."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -345,7 +350,9 @@ async def _merged(
         last = None
         num_tokens = 0
         try:
-            async for out in s.engine.generate(ids, params, rid):
+            async for out in s.engine.generate(
+                ids, params, rid, operation=operation, trace_headers=headers
+            ):
                 t = time.time()
                 new = len(out.outputs[0].token_ids)
                 if last is not None and new:

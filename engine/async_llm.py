@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,8 @@ from stepscope.engine.messages import EngineCoreOutput, EngineCoreOutputs, Proce
 from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
 from stepscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
+from stepscope.traces import names
+from stepscope.traces.spans import request_span
 
 
 @dataclass(slots=True)
@@ -31,6 +33,7 @@ class _Stream:
     prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
+    span: Any  # the request's `stepscope.request` span (a no-op when tracing is off)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_sent_tokens: int = 0
     finished: bool = False
@@ -70,8 +73,16 @@ class AsyncLLM:
 
     # ---- requests ------------------------------------------------------------------------------
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        operation: str = names.OPERATION_TEXT_COMPLETION,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Incremental outputs of one request. `trace_headers` (an incoming W3C `traceparent`)
+        become the parent of the request's span."""
         self._ensure_started()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -79,14 +90,27 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in flight")
         token_ids = self.processor.tokenize(prompt)
         request = self.processor.process(request_id, token_ids, sampling_params)
+        span = request_span(
+            request_id,
+            model=self.model_name,
+            operation=operation,
+            max_tokens=sampling_params.max_tokens,
+            temperature=sampling_params.temperature,
+            top_p=sampling_params.top_p,
+            input_tokens=len(token_ids),
+            headers=trace_headers,
+            start_ns=int(request.arrival_time * 1e9),
+        )
         stream = _Stream(
             prompt_token_ids=token_ids,
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, sampling_params),
             metrics=RequestMetrics(arrival_time=request.arrival_time),
+            span=span,
         )
         self._streams[request_id] = stream
         try:
-            await self.client.add_request(request)
+            with span.current():
+                await self.client.add_request(request)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -97,7 +121,9 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not stream.finished:
+                span.finish(finish_reasons=["abort"])
                 await self.client.abort_requests([request_id])
+            span.end()
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -124,6 +150,7 @@ class AsyncLLM:
         m.first_token_time = out.events.get("first_token", m.first_token_time)
         m.num_cached_tokens = out.num_cached_tokens
         m.num_preemptions = out.num_preemptions
+        stream.span.observe(out)
         finished = out.finish_reason is not None
         detok = stream.detokenizer
         stop = detok.update(out.new_token_ids, finished)
@@ -134,6 +161,7 @@ class AsyncLLM:
         if done:
             stream.finished = True
             m.finished_time = out.events.get("finished", time.time())
+            stream.span.finish(output_tokens=len(detok.token_ids), finish_reasons=[finish_reason])
         new_tokens = detok.token_ids[stream.num_sent_tokens :]
         stream.num_sent_tokens = len(detok.token_ids)
         logprobs = [dict(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in out.new_logprobs][

@@ -27,6 +27,18 @@ def _serve(args: argparse.Namespace) -> None:
     serve(args)
 
 
+def _trace_summary(args: argparse.Namespace) -> None:
+    from stepscope.traces.cli import trace_summary
+
+    trace_summary(args.path)
+
+
+def _trace_request(args: argparse.Namespace) -> None:
+    from stepscope.traces.cli import trace_request
+
+    trace_request(args.path, args.request_id)
+
+
 def _bench_offline(args: argparse.Namespace) -> None:
     from stepscope.engine.bench import bench_offline
 
@@ -69,7 +81,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests held at once; past it the server answers 503 + Retry-After",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_serve)
+    p.add_argument(
+        "--trace-db",
+        default=None,
+        help="DuckDB file for the spans (default: runs/serve-<time>.duckdb)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="also send every span to this OTLP/HTTP endpoint (Jaeger, Phoenix, ...)",
+    )
+    p.add_argument(
+        "--trace-steps",
+        default="all",
+        help="which steps record spans: all, every:N or off (requests always do)",
+    )
+    p.set_defaults(func=_serve, collector_extensions=())
+
+    trace = sub.add_parser("trace", help="read a finished run's trace file")
+    trace_sub = trace.add_subparsers(dest="trace", required=True)
+    p = trace_sub.add_parser("summary", help="span counts, crossings, steps and latencies")
+    p.add_argument("path")
+    p.set_defaults(func=_trace_summary)
+    p = trace_sub.add_parser("request", help="one request's path and the steps that served it")
+    p.add_argument("path")
+    p.add_argument("request_id")
+    p.set_defaults(func=_trace_request)
 
     bench = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

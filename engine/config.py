@@ -49,6 +49,10 @@ class EngineConfig:
     # "uni": the worker runs inside the engine core's process; "mp": one process per TP rank.
     executor: str = "uni"
     tensor_parallel_size: int = 1
+    # Tracing: where every process sends its spans (the collector's URL), and which steps record.
+    collector_endpoint: str | None = None
+    otlp_endpoint: str | None = None
+    trace_steps: str = "all"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -94,6 +98,9 @@ class EngineConfig:
             )
         if self.tensor_parallel_size > 1 and self.executor != "mp":
             raise ValueError("tensor_parallel_size > 1 needs executor='mp' (one process per rank)")
+        from stepscope.traces.setup import TraceSampling
+
+        TraceSampling(self.trace_steps)  # raises ValueError on a malformed --trace-steps
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -42,6 +43,8 @@ from stepscope.engine.messages import (
     UtilityRequest,
     UtilityResult,
 )
+from stepscope.traces import names
+from stepscope.traces.spans import receive_span, send_span
 
 STARTUP_TIMEOUT_S = 600.0  # the first start may convert the default model (~20 s) and load it
 POLL_MS = 100
@@ -84,6 +87,39 @@ _DECODERS = {
     OutputKind.READY: msgspec.msgpack.Decoder(EngineCoreReady),
     OutputKind.DEAD: msgspec.msgpack.Decoder(EngineDead),
 }
+
+
+_REQUEST_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_request(request: EngineCoreRequest) -> bytes:
+    """Encode an EngineCoreRequest inside its `api->engine_core` send span (in the current
+    context: the request's span), carrying that span's context in the message."""
+    crossing, carrier = send_span(names.API_TO_ENGINE_CORE, "EngineCoreRequest", num_requests=1)
+    with crossing:
+        request.trace_context = carrier
+        data = _REQUEST_ENCODER.encode(request)
+        crossing.set_nbytes(len(data))
+    return data
+
+
+def decode_output(kind: bytes, payload: bytes) -> Any:
+    """Decode a message from the engine core; EngineCoreOutputs inside their receive span."""
+    t0 = time.time_ns()
+    msg = _DECODERS[kind].decode(payload)
+    if kind == OutputKind.OUTPUTS:
+        ids = [o.request_id for o in msg.outputs]
+        with receive_span(
+            names.ENGINE_CORE_TO_API,
+            "EngineCoreOutputs",
+            len(payload),
+            len(ids),
+            msg.trace_context,
+            request_ids=ids,
+            start_ns=t0,
+        ):
+            pass
+    return msg
 
 
 class _CoreProcess:
@@ -196,7 +232,7 @@ class SyncMPClient:
             self._check_alive()
             return False
         kind, payload = self.process.output_sock.recv_multipart()
-        msg = _DECODERS[kind].decode(payload)
+        msg = decode_output(kind, payload)
         if kind == OutputKind.OUTPUTS:
             self._outputs.put(msg)
         elif kind == OutputKind.UTILITY:
@@ -207,7 +243,8 @@ class SyncMPClient:
         return True
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(RequestKind.ADD, request)
+        self._check_alive()
+        self.process.input_sock.send_multipart([RequestKind.ADD, encode_request(request)])
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._send(RequestKind.ABORT, request_ids)
@@ -295,7 +332,7 @@ class AsyncMPClient:
     async def _read_loop(self, on_outputs) -> None:
         while True:
             kind, payload = await self.output_sock.recv_multipart()
-            msg = _DECODERS[kind].decode(payload)
+            msg = decode_output(kind, payload)
             if kind == OutputKind.OUTPUTS:
                 on_outputs(msg)
             elif kind == OutputKind.UTILITY:
@@ -314,7 +351,7 @@ class AsyncMPClient:
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
-        await self.input_sock.send_multipart([RequestKind.ADD, self._encoder.encode(request)])
+        await self.input_sock.send_multipart([RequestKind.ADD, encode_request(request)])
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if self.dead_reason is None:

@@ -34,6 +34,9 @@ from stepscope.engine.messages import (
     UtilityRequest,
     UtilityResult,
 )
+from stepscope.traces import names
+from stepscope.traces.setup import dropped_spans, init_process_tracing, shutdown_tracing
+from stepscope.traces.spans import receive_span, send_span
 
 PARENT_POLL_SECONDS = 1.0
 
@@ -67,7 +70,17 @@ class EngineCoreProc:
             kind, payload = sock.recv_multipart(copy=False)
             kind = bytes(kind.buffer)
             if kind == RequestKind.ADD:
-                self.input_queue.put((kind, add_decoder.decode(payload.buffer)))
+                t0 = time.time_ns()
+                request = add_decoder.decode(payload.buffer)
+                with receive_span(
+                    names.API_TO_ENGINE_CORE,
+                    "EngineCoreRequest",
+                    len(payload.buffer),
+                    1,
+                    request.trace_context,
+                    start_ns=t0,
+                ):
+                    self.input_queue.put((kind, request))
             elif kind == RequestKind.ABORT:
                 self.input_queue.put((kind, abort_decoder.decode(payload.buffer)))
             elif kind == RequestKind.UTILITY:
@@ -85,7 +98,21 @@ class EngineCoreProc:
             if item is None:
                 break
             kind, msg = item
-            sock.send_multipart([kind, encoder.encode(msg)])
+            if kind != OutputKind.OUTPUTS:
+                sock.send_multipart([kind, encoder.encode(msg)])
+                continue
+            ids = [o.request_id for o in msg.outputs]
+            crossing, carrier = send_span(
+                names.ENGINE_CORE_TO_API,
+                "EngineCoreOutputs",
+                num_requests=len(ids),
+                request_ids=ids,
+            )
+            with crossing:
+                msg.trace_context = carrier
+                data = encoder.encode(msg)
+                crossing.set_nbytes(len(data))
+                sock.send_multipart([kind, data])
         sock.close(linger=1000)
 
     # ---- the busy loop ------------------------------------------------------------------------
@@ -128,7 +155,9 @@ class EngineCoreProc:
     def _call_utility(self, req: UtilityRequest) -> UtilityResult:
         try:
             if req.method == "get_stats":
-                return UtilityResult(req.call_id, self.core.get_stats())
+                stats = self.core.get_stats()
+                stats["trace_spans_dropped"] = dropped_spans()
+                return UtilityResult(req.call_id, stats)
             if req.method == "reset_prefix_cache":
                 return UtilityResult(req.call_id, self.core.reset_prefix_cache())
             if req.method == "processes":
@@ -173,6 +202,12 @@ def run_engine_core(
     # SIGTERM unwinds the main thread through the `finally` below, which stops the workers.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    init_process_tracing(
+        names.SERVICE_ENGINE_CORE,
+        collector_endpoint=config.collector_endpoint,
+        otlp_endpoint=config.otlp_endpoint,
+        trace_steps=config.trace_steps,
+    )
     ctx = zmq.Context()
     ready_sock = ctx.socket(zmq.PUSH)
     ready_sock.connect(output_addr)
@@ -199,6 +234,7 @@ def run_engine_core(
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         proc.shutdown()
+        shutdown_tracing()
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

@@ -11,6 +11,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from opentelemetry.trace import SpanContext
+
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.executor import Executor, UniProcExecutor
 from stepscope.engine.kv_cache_manager import KVCacheManager
@@ -19,6 +21,8 @@ from stepscope.engine.metrics import TOKENS_PER_STEP_BUCKETS, Histogram
 from stepscope.engine.models.loader import load_config
 from stepscope.engine.request import Request, RequestStatus
 from stepscope.engine.scheduler import Scheduler
+from stepscope.traces import names
+from stepscope.traces.spans import child_span, request_link, step_span
 
 
 def make_executor(config: EngineConfig, model_dir: Path) -> Executor:
@@ -59,6 +63,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
+        # Request span contexts, so that each step span links to the requests it served.
+        self.request_links: dict[str, SpanContext] = {}
         # core -> worker -> core time per step, less the worker's own execute (mp executor only).
         self.crossing_seconds: deque[float] = deque(maxlen=10_000)
         self.step_tokens = Histogram(
@@ -66,6 +72,9 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        link = request_link(request.trace_context)
+        if link is not None:
+            self.request_links[request.request_id] = link
         self.scheduler.add_request(
             Request(
                 request_id=request.request_id,
@@ -79,23 +88,38 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in request_ids:
+            self.request_links.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens:
-            self.step_tokens.observe(scheduler_output.total_num_scheduled_tokens)
-        if scheduler_output.total_num_scheduled_tokens == 0 and not (
-            scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
-        ):
-            return EngineCoreOutputs(outputs=[], timestamp=time.time())
-        runner_output = self.executor.execute_model(scheduler_output)
-        crossing = getattr(self.executor, "last_crossing_seconds", None)
-        if crossing is not None:
-            self.crossing_seconds.append(crossing)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        with step_span(step=self.scheduler.step_index) as span:
+            with child_span(names.SCHEDULE):
+                scheduler_output = self.scheduler.schedule()
+            span.record(
+                self.scheduler.last_stats,
+                scheduler_output.num_scheduled_tokens,
+                links=self.request_links,
+                kv_total_blocks=self.num_kv_blocks,
+            )
+            if scheduler_output.total_num_scheduled_tokens:
+                self.step_tokens.observe(scheduler_output.total_num_scheduled_tokens)
+            if scheduler_output.total_num_scheduled_tokens == 0 and not (
+                scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
+            ):
+                return EngineCoreOutputs(outputs=[], timestamp=time.time())
+            with child_span(names.EXECUTE):
+                runner_output = self.executor.execute_model(scheduler_output)
+            crossing = getattr(self.executor, "last_crossing_seconds", None)
+            if crossing is not None:
+                self.crossing_seconds.append(crossing)
+            with child_span(names.UPDATE):
+                outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.request_links.pop(out.request_id, None)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
     def reset_prefix_cache(self) -> bool:

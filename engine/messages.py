@@ -26,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    trace_context: dict[str, str] = {}  # W3C context of the sender's span (see traces/)
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -56,6 +57,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # finished or aborted since the last step: drop their state
     preempted_req_ids: list[str]  # preempted this step: drop their state
+    trace_context: dict[str, str] = {}
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -66,6 +68,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Per request with logprobs asked: [sampled, top-1, ..., top-N] ids and their logprobs.
     logprob_token_ids: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
+    trace_context: dict[str, str] = {}
 
 
 class Logprob(msgspec.Struct, array_like=True):
@@ -89,6 +92,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+    trace_context: dict[str, str] = {}
 
 
 # ---- the engine-core process: request kinds in, message kinds out ----

@@ -10,13 +10,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stepscope.engine.attention import SeqInfo, make_attention_backend
+from stepscope.engine.attention import AttentionMetadata, SeqInfo, make_attention_backend
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.models.llama import LlamaModel, LlamaShape
 from stepscope.engine.models.loader import load_config
 from stepscope.engine.sampler import Sampler
 from stepscope.engine.sampling_params import SamplingParams
+from stepscope.traces import names
+from stepscope.traces.spans import child_span
 
 CPU_KV_CACHE_MAX_BYTES = 2 * 2**30  # default cap of the CPU KV pool, as vLLM's CPU backend caps it
 
@@ -29,6 +31,18 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One step's inputs, flattened across requests."""
+
+    order: list[str]  # request ids in batch order
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flat row of the last token of each request that samples
+    sample_states: list[CachedRequestState]
 
 
 def available_memory_bytes() -> int:
@@ -126,12 +140,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
+        with child_span(names.PREPARE_INPUTS):
+            self._update_states(so)
+            batch = self._prepare_inputs(so)
+        if batch is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        with child_span(names.FORWARD):
+            hidden = self.model.forward(
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta
+            )
+        with child_span(names.SAMPLE):
+            return self._sample(batch, hidden)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _Batch | None:
+        """Flatten the scheduled tokens of every request into one batch (decodes first, so that
+        attention treats them as one contiguous, unpadded group)."""
         order = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
-        # Decodes first: attention then treats them as one contiguous, unpadded group.
         order.sort(key=lambda r: so.num_scheduled_tokens[r] > 1)
         if not order:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return None
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -148,37 +175,41 @@ class ModelRunner:
             positions.append(pos)
             slots.append(np.asarray(st.block_ids)[pos // bs] * bs + pos % bs)
             seqs.append(SeqInfo(n, end, st.block_ids))
+            st.num_computed_tokens = end
             if end == len(st.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_states.append(st)
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.long).to(dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         slot_t = torch.from_numpy(np.concatenate(slots).astype(np.int64))
-        meta = self.attn.build_metadata(seqs, slot_t)
-        hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta)
-        for req_id in order:
-            st = self.requests[req_id]
-            st.num_computed_tokens += so.num_scheduled_tokens[req_id]
+        return _Batch(
+            order=order,
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta=self.attn.build_metadata(seqs, slot_t),
+            sample_rows=sample_rows,
+            sample_states=sample_states,
+        )
+
+    def _sample(self, batch: _Batch, hidden: torch.Tensor) -> ModelRunnerOutput:
         sampled: dict[str, list[int]] = {}
         lp_ids: dict[str, list[int]] = {}
         lps: dict[str, list[float]] = {}
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        if batch.sample_rows:
+            rows = torch.tensor(batch.sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            states = batch.sample_states
             out = self.sampler(
-                logits,
-                [st.sampling_params for st in sample_states],
-                [st.generator for st in sample_states],
+                logits, [st.sampling_params for st in states], [st.generator for st in states]
             )
-            for i, (st, token) in enumerate(zip(sample_states, out.token_ids, strict=True)):
+            for i, (st, token) in enumerate(zip(states, out.token_ids, strict=True)):
                 st.token_ids.append(token)
                 sampled[st.req_id] = [token]
                 if i in out.logprobs:
                     lp_ids[st.req_id] = out.logprob_token_ids[i]
                     lps[st.req_id] = out.logprobs[i]
         return ModelRunnerOutput(
-            req_ids=order,
-            sampled_token_ids=[sampled.get(r, []) for r in order],
+            req_ids=batch.order,
+            sampled_token_ids=[sampled.get(r, []) for r in batch.order],
             logprob_token_ids=lp_ids,
             logprobs=lps,
         )

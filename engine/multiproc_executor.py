@@ -68,6 +68,9 @@ from stepscope.engine.config import EngineConfig
 from stepscope.engine.executor import Executor
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.models.loader import load_config
+from stepscope.traces import names
+from stepscope.traces.setup import init_process_tracing, shutdown_tracing
+from stepscope.traces.spans import receive_span, send_span, worker_step_span
 
 if TYPE_CHECKING:
     from stepscope.engine.worker import Worker
@@ -241,11 +244,32 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._check_usable()
         start = time.perf_counter()
-        self._broadcast(STEP, self._encoder.encode(scheduler_output))
+        crossing, carrier = send_span(
+            names.ENGINE_CORE_TO_WORKER,
+            "SchedulerOutput",
+            num_requests=len(scheduler_output.num_scheduled_tokens),
+            step=scheduler_output.step,
+        )
+        with crossing:
+            scheduler_output.trace_context = carrier
+            data = self._encoder.encode(scheduler_output)
+            crossing.set_nbytes(len(data))
+            self._broadcast(STEP, data)
         kind, rank, worker_seconds, payload = self._recv()
         if kind != OUTPUT:
             self._fail(f"expected a step output from rank 0, got {kind!r} from rank {rank}")
+        t0 = time.time_ns()
         output = self._output_decoder.decode(payload)
+        with receive_span(
+            names.WORKER_TO_ENGINE_CORE,
+            "ModelRunnerOutput",
+            len(payload),
+            len(output.req_ids),
+            output.trace_context,
+            step=scheduler_output.step,
+            start_ns=t0,
+        ):
+            pass
         self.last_crossing_seconds = time.perf_counter() - start - worker_seconds
         return output
 
@@ -402,6 +426,13 @@ def _worker_main(
 
     try:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        init_process_tracing(
+            names.SERVICE_WORKER,
+            rank=rank,
+            collector_endpoint=config.collector_endpoint,
+            otlp_endpoint=config.otlp_endpoint,
+            trace_steps=config.trace_steps,
+        )
         worker = _build_worker(config, Path(model_dir), rank, world_size, dist_init)
     except BaseException:
         reply(ERROR, traceback.format_exc().encode())
@@ -415,12 +446,35 @@ def _worker_main(
             break
         try:
             if kind == STEP:
+                t0 = time.time_ns()
                 scheduler_output = step_decoder.decode(payload)
+                carrier = scheduler_output.trace_context
+                with receive_span(
+                    names.ENGINE_CORE_TO_WORKER,
+                    "SchedulerOutput",
+                    len(payload),
+                    len(scheduler_output.num_scheduled_tokens),
+                    carrier,
+                    step=scheduler_output.step,
+                    start_ns=t0,
+                ):
+                    pass
                 start = time.perf_counter()
-                output = worker.execute_model(scheduler_output)
-                seconds = time.perf_counter() - start
-                if rank == 0:
-                    reply(OUTPUT, encoder.encode(output), seconds)
+                with worker_step_span(scheduler_output.step, rank, carrier):
+                    output = worker.model_runner.execute_model(scheduler_output)
+                    seconds = time.perf_counter() - start
+                    if rank == 0:
+                        crossing, reply_carrier = send_span(
+                            names.WORKER_TO_ENGINE_CORE,
+                            "ModelRunnerOutput",
+                            num_requests=len(output.req_ids),
+                            step=scheduler_output.step,
+                        )
+                        with crossing:
+                            output.trace_context = reply_carrier
+                            data = encoder.encode(output)
+                            crossing.set_nbytes(len(data))
+                            reply(OUTPUT, data, seconds)
             elif kind == CALL:
                 method, args = msgspec.msgpack.decode(payload)
                 if method not in UTILITY_METHODS:
@@ -432,7 +486,9 @@ def _worker_main(
             # Ranks are out of step now (a peer may be waiting in an all-reduce): report and exit.
             reply(ERROR, traceback.format_exc().encode())
             ctx.destroy(linger=5000)
+            shutdown_tracing()
             os._exit(1)
     ctx.destroy(linger=1000)
+    shutdown_tracing()
     # Skip interpreter teardown: the process group and torch's threads need no orderly exit.
     os._exit(0)

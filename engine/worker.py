@@ -13,6 +13,7 @@ import torch
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.model_runner import ModelRunner
+from stepscope.traces.spans import worker_step_span
 
 
 def keep_freed_memory() -> None:
@@ -53,4 +54,5 @@ class Worker:
         self.model_runner.init_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        with worker_step_span(scheduler_output.step, self.rank, scheduler_output.trace_context):
+            return self.model_runner.execute_model(scheduler_output)

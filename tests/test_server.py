@@ -297,20 +297,23 @@ def test_waiting_queue_is_bounded_with_503_and_retry_after() -> None:
 
 def test_health_turns_503_when_the_engine_dies_and_ctrl_c_leaves_no_process() -> None:
     s = Server("--model", MODEL, "--num-kv-blocks", "64", "--tp", "2")
-    children = [p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)]
-    core = next(
-        p for p in psutil.Process(s.proc.pid).children() if "core_proc" in " ".join(p.cmdline())
-    )
-    os.kill(core.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    status = 200
-    while time.monotonic() < deadline and status == 200:
-        status = httpx.get(f"{s.url}/health").status_code
-        time.sleep(0.1)
-    assert status == 503
-    r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
-    assert r.status_code == 503
-    s.stop()
+    try:
+        children = [p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)]
+        core = next(
+            p for p in psutil.Process(s.proc.pid).children() if "core_proc" in " ".join(p.cmdline())
+        )
+        os.kill(core.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        status = 200
+        while time.monotonic() < deadline and status == 200:
+            status = httpx.get(f"{s.url}/health").status_code
+            time.sleep(0.1)
+        assert status == 503
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert r.status_code == 503
+    finally:
+        s.stop()
+    assert s.proc.returncode is not None
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in children):
         time.sleep(0.2)

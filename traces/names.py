@@ -7,14 +7,16 @@ GenAI semantic conventions, messaging keys the messaging conventions.
 
 from __future__ import annotations
 
-# ---- services (resource `service.name`, one per process kind) --------------------------------
+# ---- services (resource `service.name`, one per process kind) ------------------------------------
 SERVICE_API = "stepscope.api"
 SERVICE_ENGINE_CORE = "stepscope.engine_core"
 SERVICE_WORKER = "stepscope.worker"
+# Offline `LLM` with the in-process engine core: every role in one process, one provider.
+SERVICE_OFFLINE = "stepscope.offline"
 SERVICE_NAME = "service.name"
 RANK = "stepscope.rank"  # resource attribute of workers, and attribute of worker_step spans
 
-# ---- span names -------------------------------------------------------------------------------
+# ---- span names ----------------------------------------------------------------------------------
 REQUEST = "stepscope.request"  # API process: root per request
 ENGINE_STEP = "stepscope.engine_step"  # engine core: one per step
 SCHEDULE = "stepscope.schedule"  # children of ENGINE_STEP
@@ -41,14 +43,14 @@ SPAN_NAMES = (
     RECEIVE,
 )
 
-# ---- the four boundaries of the request path ---------------------------------------------------
+# ---- the four boundaries of the request path -----------------------------------------------------
 API_TO_ENGINE_CORE = "api->engine_core"  # EngineCoreRequest
 ENGINE_CORE_TO_WORKER = "engine_core->worker"  # SchedulerOutput
 WORKER_TO_ENGINE_CORE = "worker->engine_core"  # ModelRunnerOutput
 ENGINE_CORE_TO_API = "engine_core->api"  # EngineCoreOutputs
 BOUNDARIES = (API_TO_ENGINE_CORE, ENGINE_CORE_TO_WORKER, WORKER_TO_ENGINE_CORE, ENGINE_CORE_TO_API)
 
-# ---- request span: GenAI attributes -------------------------------------------------------------
+# ---- request span: GenAI attributes --------------------------------------------------------------
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"  # "chat" or "text_completion"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
@@ -60,7 +62,7 @@ GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"  # string arra
 OPERATION_CHAT = "chat"
 OPERATION_TEXT_COMPLETION = "text_completion"
 
-# ---- request span: stepscope attributes and events ------------------------------------------------
+# ---- request span: stepscope attributes and events -----------------------------------------------
 REQUEST_ID = "stepscope.request_id"
 NUM_CACHED_TOKENS = "stepscope.num_cached_tokens"
 NUM_PREEMPTIONS = "stepscope.num_preemptions"
@@ -71,7 +73,7 @@ EVENT_PREEMPTED = "preempted"
 EVENT_FINISHED = "finished"
 REQUEST_EVENTS = (EVENT_QUEUED, EVENT_SCHEDULED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_FINISHED)
 
-# ---- engine step span ------------------------------------------------------------------------------
+# ---- engine step span ----------------------------------------------------------------------------
 STEP = "stepscope.step"
 NUM_RUNNING = "stepscope.num_running"
 NUM_WAITING = "stepscope.num_waiting"
@@ -87,7 +89,7 @@ FINISHED_IDS = "stepscope.finished_ids"  # string array
 REQUEST_IDS = "stepscope.request_ids"  # string array: the requests this step served
 REQUEST_NUM_TOKENS = "stepscope.request_num_tokens"  # int array, parallel to REQUEST_IDS
 
-# ---- crossing spans (send / receive) -----------------------------------------------------------------
+# ---- crossing spans (send / receive) -------------------------------------------------------------
 BOUNDARY = "stepscope.boundary"
 MESSAGE_TYPE = "stepscope.message_type"
 MESSAGE_BODY_SIZE = "messaging.message.body.size"
@@ -95,7 +97,7 @@ NUM_REQUESTS = "stepscope.num_requests"
 MESSAGING_SYSTEM = "messaging.system"
 MESSAGING_SYSTEM_ZMQ = "zmq"
 
-# ---- carrier keys --------------------------------------------------------------------------------------
+# ---- carrier keys --------------------------------------------------------------------------------
 # W3C `traceparent` / `tracestate`, plus the request span's own context on api->engine_core
 # messages, so the engine core can link its steps to the request span itself.
 CARRIER_REQUEST = "stepscope-request"

@@ -10,6 +10,8 @@ are counted and logged, never dropped silently.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import logging
 import os
 import threading
@@ -17,7 +19,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -25,7 +26,6 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Tracer
 
 from stepscope.traces import names as n
-from stepscope.traces.store import SpanBatch, TraceStore
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ SPAN_LIMITS = SpanLimits(max_links=4096, max_events=1024, max_span_attributes=12
 MAX_QUEUE_SIZE = 65_536  # spans buffered per exporter: seconds of engine steps at full speed
 MAX_EXPORT_BATCH_SIZE = 2048
 SCHEDULE_DELAY_MS = 200
+WARNING_INTERVAL_S = 5.0  # lost spans are counted always, logged at most this often
 
 
 class TraceSampling:
@@ -54,7 +55,9 @@ class TraceSampling:
         elif spec.startswith("every:") and spec[6:].isdigit() and int(spec[6:]) > 0:
             self.every = int(spec[6:])
         else:
-            raise ValueError(f"--trace-steps must be 'all', 'every:N' (N >= 1) or 'off', got {spec!r}")
+            raise ValueError(
+                f"--trace-steps must be 'all', 'every:N' (N >= 1) or 'off', got {spec!r}"
+            )
         self.spec = spec
 
     @property
@@ -82,6 +85,7 @@ class CountingSpanExporter(SpanExporter):
         self.label = label
         self.exported = 0
         self.failed = 0
+        self._last_warning = float("-inf")
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
@@ -93,12 +97,17 @@ class CountingSpanExporter(SpanExporter):
             self.exported += len(spans)
         else:
             self.failed += len(spans)
-            logger.warning(
-                "tracing: %d spans lost exporting to %s (%d lost in all)",
-                len(spans),
-                self.label,
-                self.failed,
-            )
+            now = time.monotonic()
+            if (
+                now - self._last_warning > WARNING_INTERVAL_S
+            ):  # one line per interval, not per batch
+                self._last_warning = now
+                logger.warning(
+                    "tracing: %d spans lost exporting to %s (%d lost in all)",
+                    len(spans),
+                    self.label,
+                    self.failed,
+                )
         return result
 
     def shutdown(self) -> None:
@@ -108,51 +117,81 @@ class CountingSpanExporter(SpanExporter):
         return self.inner.force_flush(timeout_millis)
 
 
+class _CountingQueue(collections.deque):
+    """The batch processor's span queue, counting what a full queue pushes out.
+
+    The SDK's deque has a maxlen and silently drops its oldest span when full. Counting under a
+    lock shared with `pop` (the export thread) makes the count exact.
+    """
+
+    def __init__(self, maxlen: int) -> None:
+        super().__init__((), maxlen)
+        self.lock = threading.Lock()
+        self.dropped = 0
+
+    def appendleft(self, item: object) -> None:
+        with self.lock:
+            if len(self) == self.maxlen:
+                self.dropped += 1
+            super().appendleft(item)
+
+    def pop(self) -> object:
+        with self.lock:
+            return super().pop()
+
+
 class CountingBatchSpanProcessor(BatchSpanProcessor):
     """A BatchSpanProcessor that counts the spans its full queue (or a shutdown) turns away."""
 
     def __init__(self, exporter: CountingSpanExporter, **kwargs: int) -> None:
         super().__init__(exporter, **kwargs)
         self.counting_exporter = exporter
-        self.max_queue_size = kwargs.get("max_queue_size", MAX_QUEUE_SIZE)
-        self.queue_drops = 0
-        self._last_warning = 0.0
+        self.queue = _CountingQueue(kwargs.get("max_queue_size", MAX_QUEUE_SIZE))
+        # Swap in the counting queue (still empty); the SDK reads `_queue` at every use.
+        processor = getattr(self, "_batch_processor", None)
+        if not isinstance(getattr(processor, "_queue", None), collections.deque):
+            raise RuntimeError("this opentelemetry-sdk's BatchSpanProcessor has no span deque")
+        processor._queue = self.queue
+        self.shutdown_drops = 0
+        self._last_warning = float("-inf")
 
     def on_end(self, span: ReadableSpan) -> None:
         if not span.context.trace_flags.sampled:
             return
-        # The SDK's deque silently pushes the oldest span out when full: count it here instead.
-        processor = getattr(self, "_batch_processor", None)
-        queue = getattr(processor, "_queue", None)
-        if getattr(processor, "_shutdown", False) or (
-            queue is not None and len(queue) >= self.max_queue_size
-        ):
-            self.queue_drops += 1
+        before = self.queue.dropped
+        closed = self._batch_processor._shutdown
+        if closed:
+            self.shutdown_drops += 1  # the SDK ignores spans ended after shutdown
+        super().on_end(span)
+        if closed or self.queue.dropped != before:
             now = time.monotonic()
-            if now - self._last_warning > 5.0:
+            if now - self._last_warning > WARNING_INTERVAL_S:
                 self._last_warning = now
                 logger.warning(
                     "tracing: span queue to %s full or closed, %d spans dropped so far",
                     self.counting_exporter.label,
-                    self.queue_drops,
+                    self.queue.dropped + self.shutdown_drops,
                 )
-        super().on_end(span)
 
     @property
     def dropped(self) -> int:
-        return self.queue_drops + self.counting_exporter.failed
+        return self.queue.dropped + self.shutdown_drops + self.counting_exporter.failed
 
 
 class DuckDBSpanExporter(SpanExporter):
     """Exports spans straight into a DuckDB trace file: this process owns the file."""
 
     def __init__(self, db_path: str | os.PathLike[str]) -> None:
+        from stepscope.traces.store import TraceStore  # DuckDB, Arrow, pandas: only when used
+
         self.store = TraceStore(db_path)
         self._closed = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._closed:
             return SpanExportResult.FAILURE
+        from stepscope.traces.store import SpanBatch
+
         batch = SpanBatch()
         batch.add_sdk_spans(spans)
         self.store.insert_batch(batch)
@@ -208,6 +247,8 @@ def init_tracing(
     global state
     sampling = trace_steps if isinstance(trace_steps, TraceSampling) else TraceSampling(trace_steps)
     destinations: list[tuple[SpanExporter, str]] = []
+    if collector_endpoint or otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     if collector_endpoint:
         url = _traces_url(collector_endpoint)
         destinations.append((OTLPSpanExporter(endpoint=url, timeout=export_timeout_s), url))
@@ -226,8 +267,12 @@ def init_tracing(
     attributes: dict[str, str | int] = {n.SERVICE_NAME: service_name}
     if rank is not None:
         attributes[n.RANK] = rank
+    # Our own atexit hook flushes, and only in the process that built the provider.
     provider = TracerProvider(
-        resource=Resource.create(attributes), sampler=ALWAYS_ON, span_limits=SPAN_LIMITS
+        resource=Resource.create(attributes),
+        sampler=ALWAYS_ON,
+        span_limits=SPAN_LIMITS,
+        shutdown_on_exit=False,
     )
     processors = []
     for exporter, label in destinations:
@@ -303,13 +348,23 @@ def is_enabled() -> bool:
 
 
 def _forget_in_child() -> None:
-    # A forked child must build its own provider; the parent's exporter threads do not survive.
+    # A forked child must build its own provider. The parent's is kept referenced but never used
+    # or closed here: closing it would flush the parent's spans or checkpoint its DuckDB file.
     global state, _lock
+    if state is not None:
+        _inherited.append(state)
     state = None
     _lock = threading.Lock()
 
 
+def _shutdown_at_exit() -> None:
+    if state is not None and state.pid == os.getpid():
+        shutdown_tracing()
+
+
+_inherited: list[TracingState] = []
 os.register_at_fork(after_in_child=_forget_in_child)
+atexit.register(_shutdown_at_exit)
 
 __all__ = [
     "CountingBatchSpanProcessor",
@@ -324,3 +379,27 @@ __all__ = [
     "is_enabled",
     "shutdown_tracing",
 ]
+
+
+def init_process_tracing(
+    service_name: str,
+    *,
+    rank: int | None = None,
+    collector_endpoint: str | None = None,
+    otlp_endpoint: str | None = None,
+    db_path: str | os.PathLike[str] | None = None,
+    trace_steps: str = "all",
+) -> bool:
+    """`init_tracing` for a process of the engine when it has somewhere to send spans; with no
+    destination tracing stays off (every helper a no-op) and this returns False."""
+    if not (collector_endpoint or otlp_endpoint or db_path):
+        return False
+    init_tracing(
+        service_name,
+        rank=rank,
+        collector_endpoint=collector_endpoint,
+        otlp_endpoint=otlp_endpoint,
+        db_path=db_path,
+        trace_steps=trace_steps,
+    )
+    return True

@@ -440,7 +440,9 @@ class TraceStore:
         self._write_lock = threading.Lock()
         self._cursor_lock = threading.Lock()
         if read_only:
-            tables = {r[0] for r in self.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
+            tables = {
+                r[0] for r in self.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()
+            }
             if "spans" not in tables:
                 self.con.close()
                 raise ValueError(f"{self.path} is not a stepscope trace file (no spans table)")
@@ -459,7 +461,9 @@ class TraceStore:
         with self._write_lock:
             self.con.register("_stepscope_batch", table)
             try:
-                self.con.execute(f"INSERT INTO spans ({columns}) SELECT {columns} FROM _stepscope_batch")
+                self.con.execute(
+                    f"INSERT INTO spans ({columns}) SELECT {columns} FROM _stepscope_batch"
+                )
             finally:
                 self.con.unregister("_stepscope_batch")
         return len(batch)

@@ -1,0 +1,72 @@
+"""`run_bench_serve` against a real `stepscope serve` process on loopback, in both load modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from stepscope.engine.bench import Workload, make_workload
+from stepscope.engine.bench_serve import BenchResult, LatencyStats, format_result, run_bench_serve
+from stepscope.engine.models.loader import load_config, resolve_model
+from tests.server_utils import Server
+
+
+@pytest.fixture(scope="module")
+def vocab() -> int:
+    return load_config(resolve_model("tiny-llama"))["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--model", "tiny-llama", "--num-kv-blocks", "256")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def workload(vocab) -> Workload:
+    return make_workload(8, (8, 32), (4, 16), vocab, seed=0)
+
+
+def assert_sane(res: BenchResult, workload: Workload) -> None:
+    assert res.completed == 8 and res.failed == 0, res.errors
+    assert [r.output_tokens for r in res.requests] == workload.output_lens
+    assert res.total_output_tokens == workload.num_output_tokens
+    assert res.total_input_tokens == sum(len(p) for p in workload.prompts)
+    assert res.duration_s > 0 and res.output_throughput > 0
+    for stats in (res.ttft, res.tpot, res.itl, res.e2el):
+        assert 0 < stats.median_ms <= stats.p99_ms
+        assert stats.mean_ms > 0
+    assert res.ttft.median_ms <= res.e2el.median_ms
+    assert "Successful requests:" in format_result(res)
+
+
+def test_closed_loop_streams_every_requested_token(server, workload) -> None:
+    res = run_bench_serve(server.url, workload, concurrency=3)
+    assert res.concurrency == 3 and res.request_rate is None
+    assert_sane(res, workload)
+
+
+def test_open_loop_poisson_arrivals_stream_every_requested_token(server, workload) -> None:
+    res = run_bench_serve(server.url, workload, request_rate=20.0, seed=1)
+    assert res.request_rate == 20.0
+    assert_sane(res, workload)
+
+
+def test_failed_request_is_counted_not_raised(server, vocab) -> None:
+    good = make_workload(2, (8, 16), (4, 4), vocab, seed=2)
+    bad_prompt = [vocab + 5] * 8  # out of the vocabulary: HTTP 400
+    workload = Workload([good.prompts[0], bad_prompt, good.prompts[1]], [4, 4, 4])
+    res = run_bench_serve(server.url, workload, concurrency=2)
+    assert res.completed == 2 and res.failed == 1
+    assert not res.requests[1].success and "HTTP 400" in res.requests[1].error
+    assert res.total_output_tokens == 8
+    assert "failed x1: HTTP 400" in format_result(res)
+
+
+def test_both_load_modes_at_once_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="either concurrency or request_rate"):
+        run_bench_serve("http://127.0.0.1:1", Workload([[100]], [1]), 2, 1.0)
+
+
+def test_latency_stats_of_nothing_are_zero() -> None:
+    assert LatencyStats.of([]) == LatencyStats(0.0, 0.0, 0.0)

@@ -1,0 +1,49 @@
+"""The names and view columns are contracts: docs/tracing.md lists every one, the views match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stepscope.traces import names
+from stepscope.traces.store import TraceStore
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "tracing.md"
+
+VIEW_COLUMNS = {
+    "requests": "request_id, trace_id, span_id, model, operation, start_ns, end_ns, queued_ns, "
+    "scheduled_ns, first_token_ns, finished_ns, queue_time_s, ttft_s, e2e_s, input_tokens, "
+    "output_tokens, cached_tokens, num_preemptions, finish_reason",
+    "steps": "step, start_ns, end_ns, duration_s, num_running, num_waiting, num_decode_tokens, "
+    "num_prefill_tokens, token_budget, kv_free_before, kv_free_after, kv_total_blocks, "
+    "prefix_hit_tokens, num_preempted, num_finished, trace_id, span_id",
+    "crossings": "boundary, side, message_type, bytes, num_requests, start_ns, end_ns, trace_id, "
+    "span_id, parent_span_id, service_name, rank",
+    "step_requests": "step, request_id, num_tokens, start_ns, end_ns",
+    "worker_steps": "step, rank, start_ns, end_ns, prepare_s, forward_s, sample_s",
+}
+
+
+def _constants() -> dict[str, str]:
+    return {
+        key: value for key, value in vars(names).items() if key.isupper() and isinstance(value, str)
+    }
+
+
+@pytest.mark.parametrize(("constant", "value"), sorted(_constants().items()))
+def test_every_name_is_documented(constant, value):
+    assert f"`{value}`" in DOC.read_text(), constant
+
+
+def test_span_names_are_unique_and_namespaced():
+    assert len(set(names.SPAN_NAMES)) == len(names.SPAN_NAMES)
+    assert all(name.startswith("stepscope.") for name in names.SPAN_NAMES)
+
+
+def test_views_have_the_contract_columns(tmp_path):
+    store = TraceStore(tmp_path / "empty.duckdb")
+    for view, columns in VIEW_COLUMNS.items():
+        described = [row[0] for row in store.con.execute(f"DESCRIBE {view}").fetchall()]
+        assert described == columns.split(", "), view
+        assert f"| `{view}` | `{columns}" in DOC.read_text(), view

@@ -1,0 +1,463 @@
+"""The collector process: receives every process's spans over OTLP/HTTP and owns the DuckDB file.
+
+DuckDB allows one writer process, so in `stepscope serve` this process alone opens the trace file:
+HTTP threads parse `ExportTraceServiceRequest`s into column batches, ONE writer thread inserts
+them (coalesced, through Arrow), and queries run in this process on their own cursors while spans
+keep arriving.
+
+Routes: `POST /v1/traces` (OTLP, application/x-protobuf, gzip or deflate allowed), `GET /stats`,
+`POST /query` (one read-only SELECT; JSON `{"sql": ..., "params": [...]}` or the SQL as text;
+`GET /query?sql=...` too), `POST /flush` (wait until every accepted span is in the file) and
+`GET /health`. Other code in this process (the Panel dashboard) adds routes with `add_route` or
+runs beside it through `run_collector(extensions=["module:function"])`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib
+import json
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import duckdb
+import pandas as pd
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from stepscope.traces.store import SpanBatch, TraceStore
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUED_BATCHES = 1024  # one batch per export request: ~2M spans at the SDK's batch size
+MAX_INSERT_ROWS = 65_536  # the writer coalesces queued batches up to this many spans per INSERT
+QUEUE_FULL_WAIT_S = 5.0  # an export waits this long for room before it is told to retry
+
+
+@dataclass(slots=True)
+class HttpRequest:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: Mapping[str, str]
+    body: bytes
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def json(cls, value: Any, status: int = 200) -> HttpResponse:
+        return cls(status, json.dumps(value, default=str).encode())
+
+
+Handler = Callable[[HttpRequest], HttpResponse]
+
+
+class Collector:
+    """OTLP/HTTP receiver + single DuckDB writer + query endpoint, in one process."""
+
+    def __init__(self, db_path: str, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.store = TraceStore(db_path)
+        # /query runs SQL from the network: no file or extension access from inside DuckDB.
+        self.store.con.execute("SET enable_external_access = false")
+        self.received = 0
+        self.inserted = 0
+        self.dropped = 0
+        self.rejected = 0
+        self.bad_requests = 0
+        self._counts_lock = threading.Lock()
+        self._queue: queue.Queue[SpanBatch | None] = queue.Queue(MAX_QUEUED_BATCHES)
+        self._closing = False
+        self._submit_lock = threading.Lock()  # no batch enters the queue after close() began
+        self._routes: dict[tuple[str, str], Handler] = {}
+        self._prefix_routes: list[tuple[str, str, Handler]] = []
+        self.add_route("POST", "/v1/traces", self._handle_traces)
+        self.add_route("GET", "/stats", lambda _: HttpResponse.json(self.stats()))
+        self.add_route("GET", "/health", lambda _: HttpResponse.json({"ok": True}))
+        self.add_route("POST", "/query", self._handle_query)
+        self.add_route("GET", "/query", self._handle_query)
+        self.add_route("POST", "/flush", self._handle_flush)
+        self.server = ThreadingHTTPServer((host, port), _RequestHandler)
+        self.server.daemon_threads = True
+        self.server.collector = self  # type: ignore[attr-defined]
+        self._writer = threading.Thread(target=self._write_loop, name="trace-writer", daemon=True)
+        self._serve_thread = threading.Thread(
+            target=self.server.serve_forever, name="trace-http", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def add_route(self, method: str, path: str, handler: Handler, *, prefix: bool = False) -> None:
+        """Serve `handler` for `method path` (or every path under `path` with `prefix=True`)."""
+        if prefix:
+            self._prefix_routes.append((method.upper(), path, handler))
+        else:
+            self._routes[(method.upper(), path)] = handler
+
+    def route(self, method: str, path: str) -> Handler | None:
+        handler = self._routes.get((method, path))
+        if handler is None:
+            for route_method, route_path, prefix_handler in self._prefix_routes:
+                if route_method == method and path.startswith(route_path):
+                    return prefix_handler
+        return handler
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._writer.start()
+        self._serve_thread.start()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop taking spans, insert every accepted one, checkpoint and close the file."""
+        with self._submit_lock:
+            self._closing = True
+        self.server.shutdown()
+        self.server.server_close()
+        self._queue.put(None)
+        self._writer.join(timeout_s)
+        self.store.close()
+        logger.info("collector closed: %s", self.stats())
+
+    # ---- ingestion ------------------------------------------------------------------------
+    def _handle_traces(self, request: HttpRequest) -> HttpResponse:
+        content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
+        if content_type != "application/x-protobuf":
+            return HttpResponse.json({"error": "only application/x-protobuf is accepted"}, 415)
+        body = request.body
+        encoding = request.headers.get("Content-Encoding", "").lower()
+        message = ExportTraceServiceRequest()
+        try:
+            if encoding == "gzip":
+                body = gzip.decompress(body)
+            elif encoding == "deflate":
+                body = zlib.decompress(body)
+            message.ParseFromString(body)
+        except (DecodeError, OSError, zlib.error) as error:
+            with self._counts_lock:
+                self.bad_requests += 1
+            return HttpResponse.json({"error": f"bad OTLP request: {error}"}, 400)
+        batch = SpanBatch()
+        batch.add_otlp(message)
+        if not self.submit(batch):
+            return HttpResponse(503, b"", headers={"Retry-After": "1"})
+        return HttpResponse(
+            200, ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf"
+        )
+
+    def submit(self, batch: SpanBatch) -> bool:
+        """Queue a batch for the writer; False (counted as rejected) when full or closing."""
+        count = len(batch)
+        try:
+            with self._submit_lock:
+                if self._closing:
+                    raise queue.Full
+                self._queue.put(batch, timeout=QUEUE_FULL_WAIT_S)
+        except queue.Full:
+            with self._counts_lock:
+                self.rejected += count
+            logger.warning("collector: queue full or closing, %d spans refused", count)
+            return False
+        with self._counts_lock:
+            self.received += count
+        return True
+
+    def _write_loop(self) -> None:
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            taken = 1
+            batch = SpanBatch()
+            if item is None:
+                stop = True
+            else:
+                batch.extend(item)
+            while len(batch) < MAX_INSERT_ROWS:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                taken += 1
+                if item is None:
+                    stop = True
+                else:
+                    batch.extend(item)
+            self._insert(batch)
+            for _ in range(taken):
+                self._queue.task_done()
+
+    def _insert(self, batch: SpanBatch) -> None:
+        if not len(batch):
+            return
+        try:
+            self.store.insert_batch(batch)
+        except Exception:
+            logger.exception("collector: insert of %d spans failed", len(batch))
+            with self._counts_lock:
+                self.dropped += len(batch)
+            return
+        with self._counts_lock:
+            self.inserted += len(batch)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every accepted span is inserted."""
+        deadline = time.monotonic() + timeout_s
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._queue.all_tasks_done.wait(remaining):
+                    return False
+        return True
+
+    def _handle_flush(self, request: HttpRequest) -> HttpResponse:
+        timeout_s = float(request.query.get("timeout", ["60"])[0])
+        return HttpResponse.json({"flushed": self.flush(timeout_s), **self.stats()})
+
+    def stats(self) -> dict[str, int]:
+        with self._counts_lock:
+            return {
+                "received": self.received,
+                "inserted": self.inserted,
+                "dropped": self.dropped,
+                "rejected": self.rejected,
+                "bad_requests": self.bad_requests,
+                "queued_batches": self._queue.qsize(),
+            }
+
+    # ---- queries ----------------------------------------------------------------------------
+    def query(
+        self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run one read-only SELECT on its own cursor; returns (columns, rows)."""
+        cursor = self.store.cursor()
+        try:
+            statements = cursor.extract_statements(sql)
+            if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
+                raise PermissionError("only a single SELECT statement is allowed")
+            result = cursor.execute(sql, params)
+            columns = [d[0] for d in result.description or ()]
+            return columns, result.fetchall()
+        finally:
+            cursor.close()
+
+    def _handle_query(self, request: HttpRequest) -> HttpResponse:
+        params = None
+        if request.method == "GET":
+            sql = request.query.get("sql", [""])[0]
+        elif request.headers.get("Content-Type", "").startswith("application/json"):
+            payload = json.loads(request.body or b"{}")
+            sql, params = payload.get("sql", ""), payload.get("params")
+        else:
+            sql = request.body.decode()
+        try:
+            columns, rows = self.query(sql, params)
+        except PermissionError as error:
+            return HttpResponse.json({"error": str(error)}, 403)
+        except duckdb.Error as error:
+            return HttpResponse.json({"error": str(error)}, 400)
+        return HttpResponse.json({"columns": columns, "rows": rows})
+
+
+class _RequestHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: each exporter reuses one connection
+    timeout = 120  # idle keep-alive connections close after this
+
+    def _dispatch(self) -> None:
+        collector: Collector = self.server.collector  # type: ignore[attr-defined]
+        url = urllib.parse.urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        handler = collector.route(self.command, url.path)
+        if handler is None:
+            response = HttpResponse.json({"error": f"no route {self.command} {url.path}"}, 404)
+        else:
+            request = HttpRequest(
+                self.command, url.path, urllib.parse.parse_qs(url.query), self.headers, body
+            )
+            try:
+                response = handler(request)
+            except Exception as error:
+                logger.exception("collector: %s %s failed", self.command, url.path)
+                response = HttpResponse.json({"error": repr(error)}, 500)
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type)
+        self.send_header("Content-Length", str(len(response.body)))
+        for key, value in response.headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(response.body)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _dispatch
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("collector http: " + format, *args)
+
+
+# ---- the process ------------------------------------------------------------------------------
+def _load(spec: str) -> Callable[[Collector], None]:
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def run_collector(
+    db_path: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ready_queue: Any = None,
+    extensions: Sequence[str] = (),
+) -> None:
+    """The collector process's main: serve until SIGTERM/SIGINT, then flush and close the file.
+
+    Puts `("ready", url)` (or `("error", message)`) on `ready_queue`. Each extension
+    `"module:function"` is called with the `Collector` before serving (e.g. to add dashboard
+    routes or start a Panel server thread that queries `collector.store.cursor()`).
+    """
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s collector %(message)s")
+    try:
+        collector = Collector(db_path, host, port)
+        for spec in extensions:
+            _load(spec)(collector)
+    except Exception as error:
+        if ready_queue is not None:
+            ready_queue.put(("error", f"{type(error).__name__}: {error}"))
+        raise
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+    collector.start()
+    logger.info("collector listening on %s, writing %s", collector.url, db_path)
+    if ready_queue is not None:
+        ready_queue.put(("ready", collector.url))
+    while not stop.wait(0.5):
+        pass
+    collector.close()
+
+
+def start_collector_process(
+    db_path: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    extensions: Sequence[str] = (),
+    timeout_s: float = 60.0,
+) -> tuple[BaseProcess, str]:
+    """Start the collector in a fresh (spawned) process; returns it and its base URL."""
+    ctx = mp.get_context("spawn")
+    ready: Any = ctx.Queue()
+    process = ctx.Process(
+        target=run_collector,
+        kwargs={
+            "db_path": str(db_path),
+            "host": host,
+            "port": port,
+            "ready_queue": ready,
+            "extensions": tuple(extensions),
+        },
+        name="stepscope-collector",
+        # Daemon: if the process that started it dies without stopping it, multiprocessing still
+        # terminates it at exit (SIGTERM: it flushes and closes the file).
+        daemon=True,
+    )
+    process.start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            kind, value = ready.get(timeout=0.2)
+            break
+        except queue.Empty:
+            if not process.is_alive():
+                raise RuntimeError(
+                    f"collector exited with code {process.exitcode} before it was ready"
+                ) from None
+            if time.monotonic() > deadline:
+                process.kill()
+                raise TimeoutError(f"collector not ready after {timeout_s} s") from None
+    if kind != "ready":
+        process.join(10)
+        raise RuntimeError(f"collector failed to start: {value}")
+    return process, value
+
+
+def stop_collector_process(process: BaseProcess, timeout_s: float = 60.0) -> int | None:
+    """SIGTERM (the collector flushes and closes its file), wait, and return the exit code."""
+    if process.is_alive():
+        process.terminate()
+    process.join(timeout_s)
+    if process.is_alive():
+        logger.error("collector did not stop within %s s; killing it", timeout_s)
+        process.kill()
+        process.join()
+    return process.exitcode
+
+
+class CollectorClient:
+    """Talks to a running collector: stats, flush, and queries as rows or DataFrames."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, payload: Any = None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")
+            raise RuntimeError(f"collector {method} {path}: {error.code} {detail}") from None
+
+    def stats(self) -> dict[str, int]:
+        return self._call("GET", "/stats")
+
+    def flush(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        return self._call("POST", f"/flush?timeout={timeout_s}", {})
+
+    def query(self, sql: str, params: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+        result = self._call("POST", "/query", {"sql": sql, "params": params})
+        return [dict(zip(result["columns"], row, strict=True)) for row in result["rows"]]
+
+    def df(self, sql: str, params: Sequence[Any] | None = None) -> pd.DataFrame:
+        result = self._call("POST", "/query", {"sql": sql, "params": params})
+        return pd.DataFrame(result["rows"], columns=result["columns"])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="stepscope trace collector (OTLP/HTTP -> DuckDB)")
+    parser.add_argument("db_path")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=4318)
+    args = parser.parse_args(argv)
+    run_collector(args.db_path, args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,547 @@
+"""The helpers the engine calls to record spans: one line each at every stage and boundary.
+
+    with step_span(step=scheduler.step_index) as step:          # engine core, every step
+        with child_span(names.SCHEDULE):
+            out = scheduler.schedule()
+        step.record(scheduler.last_stats, out.num_scheduled_tokens, links=request_links)
+        crossing, carrier = send_span(names.ENGINE_CORE_TO_WORKER, "SchedulerOutput",
+                                      num_requests=len(out.num_scheduled_tokens))
+        with crossing:
+            data = encode(out, carrier)
+            crossing.set_nbytes(len(data))
+            socket.send(data)
+
+    t0 = time.time_ns(); msg = decode(data)                      # the receiving process
+    with receive_span(names.ENGINE_CORE_TO_WORKER, "SchedulerOutput", len(data),
+                      len(msg.num_scheduled_tokens), msg.trace_context, start_ns=t0):
+        ...
+
+Every helper returns the shared `NOOP` object when tracing is not initialised in this process
+(or the step is not sampled), so the engine pays one attribute lookup per call. Which steps record
+is `TraceSampling` (`--trace-steps`): request spans always record; step, worker-step and crossing
+spans follow the step; a receiving process follows the sender's decision carried in the context.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, ParamSpec, TypeVar
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from stepscope.traces import names as n
+from stepscope.traces import setup as _setup
+from stepscope.traces.setup import TraceSampling
+
+__all__ = [
+    "NOOP",
+    "RequestSpan",
+    "StepSpan",
+    "TraceSampling",
+    "child_span",
+    "extract_context",
+    "inject_context",
+    "receive_span",
+    "request_link",
+    "request_span",
+    "send_span",
+    "step_span",
+    "traced",
+    "worker_step_span",
+]
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+# ---- context propagation ------------------------------------------------------------------------
+def inject_context(ctx: Context | None = None) -> dict[str, str]:
+    """The W3C trace context (`traceparent`, `tracestate`) of `ctx` (default: current) as a dict."""
+    carrier: dict[str, str] = {}
+    if _setup.state is not None:
+        _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier
+
+
+def extract_context(carrier: Mapping[str, str] | None) -> Context:
+    """The context a carrier holds; an empty context (a new root) when it holds none."""
+    return _PROPAGATOR.extract(carrier) if carrier else Context()
+
+
+def request_link(carrier: Mapping[str, str] | None) -> SpanContext | None:
+    """The request span a message from the API refers to, for the engine core's step links."""
+    if not carrier or _setup.state is None:
+        return None
+    own = carrier.get(n.CARRIER_REQUEST)
+    if own:
+        trace_hex, _, span_hex = own.partition("-")
+        try:
+            return SpanContext(
+                int(trace_hex, 16), int(span_hex, 16), is_remote=True, trace_flags=TraceFlags(1)
+            )
+        except ValueError:
+            pass  # malformed: fall back to the traceparent
+    span_context = trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
+# ---- span scopes ---------------------------------------------------------------------------------
+class _Noop:
+    """Stands in for every scope when nothing is recorded: all methods do nothing."""
+
+    __slots__ = ()
+    span = None
+    recording = False
+
+    @property
+    def carrier(self) -> dict[str, str]:
+        return {}
+
+    def __enter__(self) -> _Noop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    set_attribute = record = set_nbytes = event = add_events = observe = finish = end = _nothing
+
+    def current(self) -> _Noop:
+        return self
+
+
+NOOP = _Noop()
+
+
+class _Scope:
+    """A started span; `with` makes it current and ends it (recording any exception)."""
+
+    __slots__ = ("_token", "span")
+    recording = True
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+        self._token: object | None = None
+
+    def __enter__(self) -> Any:
+        self._token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any):
+        if exc is not None:
+            self.span.record_exception(exc)
+            self.span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
+        if self._token is not None:
+            otel_context.detach(self._token)
+            self._token = None
+        self.end()
+
+    def end(self) -> None:
+        self.span.end()
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.span.set_attribute(key, value)
+
+
+class StepSpan(_Scope):
+    """`stepscope.engine_step`: what the scheduler decided this step and whom it served."""
+
+    __slots__ = ()
+
+    def record(
+        self,
+        stats: Any,
+        request_ids: Sequence[str] | Mapping[str, int] = (),
+        request_num_tokens: Sequence[int] | None = None,
+        links: Mapping[str, SpanContext | None] | Iterable[SpanContext | Link | None] = (),
+        *,
+        kv_total_blocks: int | None = None,
+    ) -> None:
+        """Set the step's attributes from a `StepStats` and the requests it served.
+
+        `request_ids` may be the SchedulerOutput's `num_scheduled_tokens` mapping (id -> tokens);
+        `links` the request span contexts, either by request id or as a plain list.
+        """
+        if isinstance(request_ids, Mapping):
+            ids = list(request_ids)
+            num_tokens = list(request_ids.values()) if request_num_tokens is None else None
+        else:
+            ids = list(request_ids)
+            num_tokens = None
+        if num_tokens is None:
+            num_tokens = list(request_num_tokens or ())
+        if len(num_tokens) != len(ids):
+            raise ValueError(
+                f"request_num_tokens must parallel request_ids: {len(num_tokens)} != {len(ids)}"
+            )
+        if kv_total_blocks is None:
+            kv_total_blocks = getattr(stats, "kv_total_blocks", None)
+        attributes: dict[str, Any] = {
+            n.STEP: stats.step,
+            n.NUM_RUNNING: stats.num_running,
+            n.NUM_WAITING: stats.num_waiting,
+            n.NUM_DECODE_TOKENS: stats.num_decode_tokens,
+            n.NUM_PREFILL_TOKENS: stats.num_prefill_tokens,
+            n.TOKEN_BUDGET: stats.token_budget,
+            n.KV_FREE_BEFORE: stats.kv_free_before,
+            n.KV_FREE_AFTER: stats.kv_free_after,
+            n.PREFIX_HIT_TOKENS: stats.prefix_hit_tokens,
+            n.PREEMPTED_IDS: list(stats.preempted),
+            n.FINISHED_IDS: list(stats.finished),
+            n.REQUEST_IDS: ids,
+            n.REQUEST_NUM_TOKENS: num_tokens,
+        }
+        if kv_total_blocks is not None:
+            attributes[n.KV_TOTAL_BLOCKS] = kv_total_blocks
+        self.span.set_attributes(attributes)
+        if isinstance(links, Mapping):
+            for req_id in ids:
+                span_context = links.get(req_id)
+                if span_context is not None:
+                    self.span.add_link(span_context, {n.REQUEST_ID: req_id})
+        else:
+            for link in links:
+                if isinstance(link, Link):
+                    self.span.add_link(link.context, link.attributes)
+                elif link is not None:
+                    self.span.add_link(link)
+
+
+class CrossingSpan(_Scope):
+    """`stepscope.send` / `stepscope.receive`: one message over one boundary."""
+
+    __slots__ = ()
+
+    def set_nbytes(self, nbytes: int) -> None:
+        """The payload size, once the message (which carries the context) is encoded."""
+        self.span.set_attribute(n.MESSAGE_BODY_SIZE, nbytes)
+
+
+class RequestSpan(_Scope):
+    """`stepscope.request`: one request in the API process, from arrival to its last byte."""
+
+    __slots__ = ("_ended", "_output_tokens", "_usage_set")
+
+    def __init__(self, span: Span) -> None:
+        super().__init__(span)
+        self._output_tokens = 0
+        self._usage_set = False
+        self._ended = False
+
+    def current(self) -> AbstractContextManager[Span]:
+        """Make this span current for a while without ending it (e.g. around one send)."""
+        return trace.use_span(self.span, end_on_exit=False)
+
+    @property
+    def carrier(self) -> dict[str, str]:
+        """This request span's context, for a message sent outside a `send_span`."""
+        return inject_context(trace.set_span_in_context(self.span))
+
+    def event(
+        self, name: str, time_s: float | None = None, attributes: Mapping[str, Any] | None = None
+    ) -> None:
+        """A timeline event; `time_s` is a `time.time()` value (default: now)."""
+        timestamp = None if time_s is None else int(time_s * 1e9)
+        self.span.add_event(name, attributes, timestamp=timestamp)
+
+    def add_events(self, events: Mapping[str, float | Sequence[float]]) -> None:
+        """Events by name, as the engine core reports them (`EngineCoreOutput.events`)."""
+        for name, times in events.items():
+            if isinstance(times, int | float):
+                self.event(name, times)
+            else:
+                for time_s in times:
+                    self.event(name, time_s)
+
+    def observe(self, output: Any) -> None:
+        """Take in one `EngineCoreOutput`: its events, new tokens, cache hits and finish."""
+        events = getattr(output, "events", None)
+        if events:
+            self.add_events(events)
+        self._output_tokens += len(getattr(output, "new_token_ids", ()) or ())
+        num_cached = getattr(output, "num_cached_tokens", None)
+        if num_cached is not None:
+            self.span.set_attribute(n.NUM_CACHED_TOKENS, num_cached)
+        num_preemptions = getattr(output, "num_preemptions", None)
+        if num_preemptions is not None:
+            self.span.set_attribute(n.NUM_PREEMPTIONS, num_preemptions)
+        finish_reason = getattr(output, "finish_reason", None)
+        if finish_reason is not None:
+            self.span.set_attribute(n.GEN_AI_RESPONSE_FINISH_REASONS, [finish_reason])
+
+    def finish(
+        self,
+        *,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        finish_reasons: Sequence[str] | None = None,
+        num_cached_tokens: int | None = None,
+        num_preemptions: int | None = None,
+    ) -> None:
+        """Usage and outcome, when known better than `observe` counted them."""
+        attributes: dict[str, Any] = {}
+        if input_tokens is not None:
+            attributes[n.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
+        if output_tokens is not None:
+            attributes[n.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
+            self._usage_set = True
+        if finish_reasons is not None:
+            attributes[n.GEN_AI_RESPONSE_FINISH_REASONS] = list(finish_reasons)
+        if num_cached_tokens is not None:
+            attributes[n.NUM_CACHED_TOKENS] = num_cached_tokens
+        if num_preemptions is not None:
+            attributes[n.NUM_PREEMPTIONS] = num_preemptions
+        self.span.set_attributes(attributes)
+
+    def end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if not self._usage_set:
+            self.span.set_attribute(n.GEN_AI_USAGE_OUTPUT_TOKENS, self._output_tokens)
+        self.span.end()
+
+
+# ---- the helpers ---------------------------------------------------------------------------------
+def request_span(
+    request_id: str,
+    *,
+    model: str,
+    operation: str = n.OPERATION_CHAT,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    input_tokens: int | None = None,
+    headers: Mapping[str, str] | None = None,
+    server: bool = True,
+    start_ns: int | None = None,
+) -> RequestSpan | _Noop:
+    """`stepscope.request`, the root of one request (parented on an incoming `traceparent`).
+
+    Recorded whatever `--trace-steps` says. `server=False` for offline use (kind INTERNAL). Use
+    it as a context manager, or call `.end()` when the last byte is out.
+    """
+    state = _setup.state
+    if state is None:
+        return NOOP
+    attributes: dict[str, Any] = {
+        n.REQUEST_ID: request_id,
+        n.GEN_AI_OPERATION_NAME: operation,
+        n.GEN_AI_REQUEST_MODEL: model,
+    }
+    for key, value in (
+        (n.GEN_AI_REQUEST_MAX_TOKENS, max_tokens),
+        (n.GEN_AI_REQUEST_TEMPERATURE, temperature),
+        (n.GEN_AI_REQUEST_TOP_P, top_p),
+        (n.GEN_AI_USAGE_INPUT_TOKENS, input_tokens),
+    ):
+        if value is not None:
+            attributes[key] = value
+    span = state.tracer.start_span(
+        n.REQUEST,
+        context=extract_context(headers),
+        kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
+        attributes=attributes,
+        start_time=start_ns,
+    )
+    return RequestSpan(span)
+
+
+def step_span(
+    stats: Any = None,
+    request_ids: Sequence[str] | Mapping[str, int] = (),
+    request_num_tokens: Sequence[int] | None = None,
+    links: Mapping[str, SpanContext | None] | Iterable[SpanContext | Link | None] = (),
+    *,
+    step: int | None = None,
+    kv_total_blocks: int | None = None,
+) -> StepSpan | _Noop:
+    """`stepscope.engine_step`, the root of one step's trace, linked to the requests it served.
+
+    Pass the `StepStats` now, or start it with `step=` before `schedule()` and call
+    `.record(stats, ...)` once the scheduler has decided.
+    """
+    state = _setup.state
+    if state is None:
+        return NOOP
+    if step is None and stats is not None:
+        step = stats.step
+    if not state.sampling.records(step):
+        return NOOP
+    span = state.tracer.start_span(
+        n.ENGINE_STEP,
+        context=Context(),
+        kind=SpanKind.INTERNAL,
+        attributes=None if step is None else {n.STEP: step},
+    )
+    scope = StepSpan(span)
+    if stats is not None:
+        scope.record(stats, request_ids, request_num_tokens, links, kv_total_blocks=kv_total_blocks)
+    return scope
+
+
+def child_span(name: str, attributes: Mapping[str, Any] | None = None) -> _Scope | _Noop:
+    """A phase inside the current step or worker step (schedule, execute, forward, ...).
+
+    Recorded only under a recording parent, so it follows the step's sampling.
+    """
+    state = _setup.state
+    if state is None or not trace.get_current_span().is_recording():
+        return NOOP
+    return _Scope(state.tracer.start_span(name, attributes=attributes))
+
+
+def traced(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Decorator form of `child_span`."""
+
+    def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(fn)
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with child_span(name):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def worker_step_span(
+    step: int, rank: int, carrier: Mapping[str, str] | None = None
+) -> _Scope | _Noop:
+    """`stepscope.worker_step` on one worker: under the SchedulerOutput's context when it came
+    over a boundary (`carrier`), else under the current span (in-process executor)."""
+    state = _setup.state
+    if state is None or state.sampling.off:
+        return NOOP
+    parent: Context | None = extract_context(carrier)
+    remote = trace.get_current_span(parent).get_span_context()
+    if remote.is_valid:
+        if not remote.trace_flags.sampled:
+            return NOOP
+    else:
+        parent = None  # the current context
+        current = trace.get_current_span()
+        if current.get_span_context().is_valid:
+            if not current.is_recording():
+                return NOOP
+        elif state.sampling.records(step):
+            parent = Context()
+        else:
+            return NOOP
+    span = state.tracer.start_span(
+        n.WORKER_STEP,
+        context=parent,
+        kind=SpanKind.INTERNAL,
+        attributes={n.STEP: step, n.RANK: rank},
+    )
+    return _Scope(span)
+
+
+def _crossing_attributes(
+    boundary: str,
+    message_type: str,
+    nbytes: int | None,
+    num_requests: int,
+    request_ids: Sequence[str] | None,
+) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        n.BOUNDARY: boundary,
+        n.MESSAGE_TYPE: message_type,
+        n.NUM_REQUESTS: num_requests,
+        n.MESSAGING_SYSTEM: n.MESSAGING_SYSTEM_ZMQ,
+    }
+    if nbytes is not None:
+        attributes[n.MESSAGE_BODY_SIZE] = nbytes
+    if request_ids is not None:
+        attributes[n.REQUEST_IDS] = list(request_ids)
+    return attributes
+
+
+def send_span(
+    boundary: str,
+    message_type: str,
+    nbytes: int | None = None,
+    num_requests: int = 0,
+    *,
+    step: int | None = None,
+    request_ids: Sequence[str] | None = None,
+) -> tuple[CrossingSpan | _Noop, dict[str, str]]:
+    """`stepscope.send` (PRODUCER), started now, and the carrier to put inside the message.
+
+    Recorded under a recording span (a step, a request), else when `step` is sampled. Set the
+    size with `.set_nbytes()` once the message is encoded. `request_ids` names the requests
+    a message serves when they are not one step's (e.g. EngineCoreOutputs).
+    """
+    state = _setup.state
+    if state is None:
+        return NOOP, {}
+    current = trace.get_current_span()
+    if state.sampling.off:
+        record = False
+    elif current.is_recording():
+        record = True
+    elif step is not None:
+        record = state.sampling.records(step)
+    else:
+        record = state.sampling.all
+    carrier: dict[str, str] = {}
+    if not record:
+        # Still carry the current context (a request span), so the engine core can link to it.
+        _PROPAGATOR.inject(carrier)
+        return NOOP, carrier
+    span = state.tracer.start_span(
+        n.SEND,
+        kind=SpanKind.PRODUCER,
+        attributes=_crossing_attributes(boundary, message_type, nbytes, num_requests, request_ids),
+    )
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    if getattr(current, "name", None) == n.REQUEST:
+        parent = current.get_span_context()
+        carrier[n.CARRIER_REQUEST] = f"{parent.trace_id:032x}-{parent.span_id:016x}"
+    return CrossingSpan(span), carrier
+
+
+def receive_span(
+    boundary: str,
+    message_type: str,
+    nbytes: int | None,
+    num_requests: int,
+    carrier: Mapping[str, str] | None,
+    *,
+    step: int | None = None,
+    request_ids: Sequence[str] | None = None,
+    start_ns: int | None = None,
+) -> CrossingSpan | _Noop:
+    """`stepscope.receive` (CONSUMER), a child of the sender's `stepscope.send` via `carrier`.
+
+    Follows the sender: recorded when the carrier holds a sampled context; without one, a new
+    root when `step` is sampled (or, with no step, under `--trace-steps all`). `start_ns`
+    (`time.time_ns()`) lets the span cover the decode that found the carrier.
+    """
+    state = _setup.state
+    if state is None or state.sampling.off:
+        return NOOP
+    parent = extract_context(carrier)
+    remote = trace.get_current_span(parent).get_span_context()
+    if remote.is_valid:
+        if not remote.trace_flags.sampled:
+            return NOOP
+    elif not (state.sampling.records(step) if step is not None else state.sampling.all):
+        return NOOP
+    span = state.tracer.start_span(
+        n.RECEIVE,
+        context=parent,
+        kind=SpanKind.CONSUMER,
+        attributes=_crossing_attributes(boundary, message_type, nbytes, num_requests, request_ids),
+        start_time=start_ns,
+    )
+    return CrossingSpan(span)
