@@ -160,6 +160,8 @@ class EngineCoreProc:
                 return UtilityResult(req.call_id, stats)
             if req.method == "reset_prefix_cache":
                 return UtilityResult(req.call_id, self.core.reset_prefix_cache())
+            if req.method == "flush_traces":
+                return UtilityResult(req.call_id, self.core.flush_traces())
             if req.method == "processes":
                 return UtilityResult(req.call_id, self.core.processes())
             return UtilityResult(req.call_id, error=f"unknown utility method {req.method!r}")

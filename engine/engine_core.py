@@ -22,6 +22,7 @@ from stepscope.engine.models.loader import load_config
 from stepscope.engine.request import Request, RequestStatus
 from stepscope.engine.scheduler import Scheduler
 from stepscope.traces import names
+from stepscope.traces.setup import flush_tracing
 from stepscope.traces.spans import child_span, request_link, step_span
 
 
@@ -121,6 +122,11 @@ class EngineCore:
             if out.finish_reason is not None:
                 self.request_links.pop(out.request_id, None)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def flush_traces(self) -> bool:
+        """Export every span this process and its workers have ended so far."""
+        self.executor.flush_traces()
+        return flush_tracing()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
+from stepscope.traces.setup import flush_tracing
 
 
 class Executor(ABC):
@@ -32,6 +33,10 @@ class Executor(ABC):
     def processes(self) -> list[tuple[str, int, int]]:
         """(role, rank, pid) of each worker process this executor started."""
         return []
+
+    def flush_traces(self) -> None:
+        """Export the spans the workers have ended so far."""
+        flush_tracing()
 
 
 class UniProcExecutor(Executor):

@@ -5,10 +5,14 @@ process, with an in-process engine-core client and no ZMQ boundary).
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import pandas as pd
 from tqdm.auto import tqdm
 
 from stepscope.engine.config import EngineConfig
@@ -20,6 +24,20 @@ from stepscope.engine.messages import EngineCoreOutput, ProcessInfo
 from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
 from stepscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
+from stepscope.traces import names
+from stepscope.traces.collector import (
+    CollectorClient,
+    start_collector_process,
+    stop_collector_process,
+)
+from stepscope.traces.setup import (
+    DuckDBSpanExporter,
+    flush_tracing,
+    init_process_tracing,
+    init_tracing,
+    shutdown_tracing,
+)
+from stepscope.traces.spans import NOOP, request_span
 
 Conversation = list[dict[str, str]]
 
@@ -34,6 +52,7 @@ class _Child:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
+    span: Any = NOOP  # the request's `stepscope.request` span
 
 
 class LLM:
@@ -56,6 +75,9 @@ class LLM:
         seed: int = 0,
         executor: str = "uni",
         tensor_parallel_size: int = 1,
+        trace_db: str | os.PathLike[str] | None = None,
+        otlp_endpoint: str | None = None,
+        trace_steps: str = "all",
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -74,8 +96,14 @@ class LLM:
             offline=True,
             executor=executor,
             tensor_parallel_size=tensor_parallel_size,
+            otlp_endpoint=otlp_endpoint,
+            trace_steps=trace_steps,
         )
         self.model_dir = resolve_model(model)
+        self.trace_db = None if trace_db is None else Path(trace_db)
+        self._trace_store = None
+        self._collector = None
+        self._tracing = self._start_tracing()
         self.tokenizer = load_tokenizer(self.model_dir)
         # "uni": the engine core runs right here; "mp": in its own process, over ZMQ.
         if executor == "uni":
@@ -88,6 +116,49 @@ class LLM:
             load_config(self.model_dir)["vocab_size"],
         )
         self._ids = itertools.count()
+
+    def _start_tracing(self) -> bool:
+        """In-process, this process writes the trace file itself; with executor="mp" a collector
+        process owns it and every process (this one too) sends it spans."""
+        cfg = self.config
+        if self.trace_db is None and cfg.otlp_endpoint is None:
+            return False
+        if self.trace_db is not None:
+            self.trace_db.parent.mkdir(parents=True, exist_ok=True)
+        if cfg.executor == "uni":
+            exporters = []
+            if self.trace_db is not None:
+                exporter = DuckDBSpanExporter(self.trace_db)
+                self._trace_store = exporter.store
+                exporters.append(exporter)
+            init_tracing(
+                names.SERVICE_OFFLINE,
+                exporters=exporters,
+                otlp_endpoint=cfg.otlp_endpoint,
+                trace_steps=cfg.trace_steps,
+            )
+            return True
+        if self.trace_db is not None:
+            self._collector, cfg.collector_endpoint = start_collector_process(str(self.trace_db))
+        init_process_tracing(
+            names.SERVICE_API,
+            collector_endpoint=cfg.collector_endpoint,
+            otlp_endpoint=cfg.otlp_endpoint,
+            trace_steps=cfg.trace_steps,
+        )
+        return True
+
+    def query_traces(self, sql: str) -> pd.DataFrame:
+        """Run SQL on this LLM's trace (the `spans` table and its views) while it runs."""
+        if self.trace_db is None:
+            raise ValueError("this LLM records no trace: pass trace_db=PATH")
+        flush_tracing()
+        if self._trace_store is not None:
+            return self._trace_store.df(sql)
+        self.client.call_utility("flush_traces")  # the engine core and its workers
+        client = CollectorClient(self.config.collector_endpoint)
+        client.flush()
+        return client.df(sql)
 
     # ---- public API -------------------------------------------------------------------------
     def generate(
@@ -114,7 +185,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_lists = [self.processor.apply_chat_template(list(c)) for c in conversations]
         texts = [self.tokenizer.decode(t) for t in token_lists]
-        return self._run(texts, token_lists, sampling_params, use_tqdm)
+        return self._run(texts, token_lists, sampling_params, use_tqdm, texts_are_prompts=False)
 
     @property
     def engine_core(self) -> EngineCore:
@@ -134,7 +205,15 @@ class LLM:
         return self.client.processes()
 
     def shutdown(self) -> None:
+        """Stop the engine's processes; flush the trace and close its file."""
         self.client.shutdown()
+        if self._tracing:
+            self._tracing = False
+            shutdown_tracing()
+            self._trace_store = None
+        if self._collector is not None:
+            stop_collector_process(self._collector)
+            self._collector = None
 
     def __enter__(self) -> LLM:
         return self
@@ -149,6 +228,7 @@ class LLM:
         token_lists: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        texts_are_prompts: bool = True,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -180,8 +260,22 @@ class LLM:
                 kids.append(child)
                 children[child_id] = (i, child)
             results.append(kids)
+        operation = names.OPERATION_TEXT_COMPLETION if texts_are_prompts else names.OPERATION_CHAT
         for req in core_requests:
-            self.client.add_request(req)
+            _, child = children[req.request_id]
+            child.span = request_span(
+                req.request_id,
+                model=self.config.model,
+                operation=operation,
+                max_tokens=req.sampling_params.max_tokens,
+                temperature=req.sampling_params.temperature,
+                top_p=req.sampling_params.top_p,
+                input_tokens=len(req.prompt_token_ids),
+                server=False,
+                start_ns=int(req.arrival_time * 1e9),
+            )
+            with child.span.current():
+                self.client.add_request(req)
         pending = set(children)
         bar = tqdm(total=len(children), desc="generate", disable=not use_tqdm)
         try:
@@ -197,6 +291,8 @@ class LLM:
             raise
         finally:
             bar.close()
+            for _, child in children.values():
+                child.span.end()
         return [
             self._request_output(rid, texts[i], token_lists[i], results[i])
             for i, rid in enumerate(request_ids)
@@ -213,6 +309,7 @@ class LLM:
         m.first_token_time = out.events.get("first_token", m.first_token_time)
         m.num_cached_tokens = out.num_cached_tokens
         m.num_preemptions = out.num_preemptions
+        child.span.observe(out)
         finished = out.finish_reason is not None
         stop = child.detokenizer.update(out.new_token_ids, finished)
         if stop is not None and not finished:
@@ -224,6 +321,9 @@ class LLM:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
         if child.finish_reason is not None:
             m.finished_time = out.events.get("finished", time.time())
+            child.span.finish(
+                output_tokens=len(child.detokenizer.token_ids), finish_reasons=[child.finish_reason]
+            )
             return True
         return False
 

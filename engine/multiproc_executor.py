@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 STEP, CALL, STOP = b"step", b"call", b"stop"
 READY, OUTPUT, RESULT, ERROR = b"ready", b"output", b"result", b"error"
 # Worker methods the core may call on every rank; anything else is refused.
-UTILITY_METHODS = frozenset({"determine_num_kv_blocks", "init_kv_cache"})
+UTILITY_METHODS = frozenset({"determine_num_kv_blocks", "init_kv_cache", "flush_traces"})
 READY_TIMEOUT_S = 300.0
 PARENT_POLL_S = 0.5
 STOP_GRACE_S = 5.0
@@ -291,6 +291,9 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
     # ---- reporting -------------------------------------------------------------------------------
+    def flush_traces(self) -> None:
+        self.collective_rpc("flush_traces")
+
     def processes(self) -> list[tuple[str, int, int]]:
         """(role, rank, pid) of every worker process."""
         return [("worker", rank, p.pid) for rank, p in enumerate(self._group.procs)]

@@ -13,6 +13,7 @@ import torch
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.model_runner import ModelRunner
+from stepscope.traces.setup import flush_tracing
 from stepscope.traces.spans import worker_step_span
 
 
@@ -52,6 +53,9 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.init_kv_cache(num_blocks)
+
+    def flush_traces(self) -> bool:
+        return flush_tracing()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         with worker_step_span(scheduler_output.step, self.rank, scheduler_output.trace_context):

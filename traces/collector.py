@@ -15,23 +15,27 @@ runs beside it through `run_collector(extensions=["module:function"])`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import importlib
 import json
 import logging
-import multiprocessing as mp
+import os
 import queue
+import selectors
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import duckdb
@@ -359,6 +363,44 @@ def run_collector(
     collector.close()
 
 
+class CollectorProcess:
+    """The collector as a child process: a fresh interpreter (`python -m
+    stepscope.traces.collector`), so no caller needs a `__main__` guard, with the small part of
+    multiprocessing's Process interface that callers use."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        # If the caller forgets to stop it, stop it (flushing the file) at interpreter exit.
+        self._finalizer = weakref.finalize(self, _terminate_and_wait, popen)
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
+
+def _terminate_and_wait(popen: subprocess.Popen) -> None:
+    if popen.poll() is None:
+        popen.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(60)
+
+
 def start_collector_process(
     db_path: str,
     host: str = "127.0.0.1",
@@ -366,45 +408,34 @@ def start_collector_process(
     *,
     extensions: Sequence[str] = (),
     timeout_s: float = 60.0,
-) -> tuple[BaseProcess, str]:
-    """Start the collector in a fresh (spawned) process; returns it and its base URL."""
-    ctx = mp.get_context("spawn")
-    ready: Any = ctx.Queue()
-    process = ctx.Process(
-        target=run_collector,
-        kwargs={
-            "db_path": str(db_path),
-            "host": host,
-            "port": port,
-            "ready_queue": ready,
-            "extensions": tuple(extensions),
-        },
-        name="stepscope-collector",
-        # Daemon: if the process that started it dies without stopping it, multiprocessing still
-        # terminates it at exit (SIGTERM: it flushes and closes the file).
-        daemon=True,
-    )
-    process.start()
+) -> tuple[CollectorProcess, str]:
+    """Start the collector in a fresh process; returns it and its base URL once it listens."""
+    cmd = [sys.executable, "-m", "stepscope.traces.collector", str(db_path), "--host", host]
+    cmd += ["--port", str(port), "--announce", "--parent-pid", str(os.getpid())]
+    for spec in extensions:
+        cmd += ["--extension", spec]
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    process = CollectorProcess(popen)
+    assert popen.stdout is not None
+    ready = selectors.DefaultSelector()
+    ready.register(popen.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            kind, value = ready.get(timeout=0.2)
-            break
-        except queue.Empty:
-            if not process.is_alive():
-                raise RuntimeError(
-                    f"collector exited with code {process.exitcode} before it was ready"
-                ) from None
-            if time.monotonic() > deadline:
-                process.kill()
-                raise TimeoutError(f"collector not ready after {timeout_s} s") from None
-    if kind != "ready":
-        process.join(10)
-        raise RuntimeError(f"collector failed to start: {value}")
-    return process, value
+        if ready.select(timeout=0.2):
+            line = popen.stdout.readline()
+            if line.startswith("ready "):
+                return process, line.split(None, 1)[1].strip()
+            if line.startswith("error "):
+                process.join(10)
+                raise RuntimeError(f"collector failed to start: {line[6:].strip()}")
+        if not process.is_alive():
+            raise RuntimeError(f"collector exited with code {process.exitcode} before it was ready")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise TimeoutError(f"collector not ready after {timeout_s} s")
 
 
-def stop_collector_process(process: BaseProcess, timeout_s: float = 60.0) -> int | None:
+def stop_collector_process(process: CollectorProcess, timeout_s: float = 60.0) -> int | None:
     """SIGTERM (the collector flushes and closes its file), wait, and return the exit code."""
     if process.is_alive():
         process.terminate()
@@ -455,8 +486,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("db_path")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=4318)
+    parser.add_argument("--extension", action="append", default=[], help="module:function")
+    parser.add_argument(
+        "--announce", action="store_true", help="print 'ready URL' on stdout once listening"
+    )
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when it is gone")
     args = parser.parse_args(argv)
-    run_collector(args.db_path, args.host, args.port)
+    if args.parent_pid is not None:
+        _watch_parent(args.parent_pid)
+    run_collector(
+        args.db_path,
+        args.host,
+        args.port,
+        ready_queue=_Announcer() if args.announce else None,
+        extensions=args.extension,
+    )
+
+
+class _Announcer:
+    """Stands in for a queue: writes the readiness message on stdout for the parent to read."""
+
+    def put(self, item: tuple[str, str]) -> None:
+        kind, value = item
+        print(f"{kind} {value}", flush=True)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """SIGTERM ourselves (flush, close the file) once the process that started us is gone."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 if __name__ == "__main__":
