@@ -9,8 +9,10 @@ import argparse
 import os
 import platform
 import random
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -71,7 +73,11 @@ def model_flops(cfg: dict, workload: Workload) -> float:
 
 
 def run_stepscope(
-    model: str, workload: Workload, args: argparse.Namespace, executor: str = "uni"
+    model: str,
+    workload: Workload,
+    args: argparse.Namespace,
+    executor: str = "uni",
+    trace_db: str | None = None,
 ) -> float:
     from stepscope.engine.llm import LLM
     from stepscope.engine.sampling_params import SamplingParams
@@ -81,6 +87,7 @@ def run_stepscope(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         executor=executor,
+        trace_db=trace_db,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
@@ -167,15 +174,24 @@ def bench_offline(args: argparse.Namespace) -> None:
     flops = model_flops(cfg, workload)
     results = {}
     for executor in args.executor.split(","):
-        elapsed = run_stepscope(args.model, workload, args, executor)
-        results[executor] = workload.num_output_tokens / elapsed
-        mfu = flops / elapsed / 1e9 / peak
-        print(
-            f"stepscope ({executor}): {elapsed:8.1f} s  {results[executor]:7.1f} output tok/s  "
-            f"MFU {mfu:.0%}"
-        )
+        for tracing in args.tracing.split(","):
+            trace_db = None
+            if tracing == "on":
+                trace_db = str(Path(tempfile.mkdtemp(prefix="stepscope-bench-")) / "trace.duckdb")
+            label = executor if args.tracing == "off" else f"{executor}, tracing {tracing}"
+            elapsed = run_stepscope(args.model, workload, args, executor, trace_db)
+            results[label] = workload.num_output_tokens / elapsed
+            mfu = flops / elapsed / 1e9 / peak
+            print(
+                f"stepscope ({label}): {elapsed:8.1f} s  {results[label]:7.1f} output tok/s  "
+                f"MFU {mfu:.0%}"
+            )
     if "uni" in results and "mp" in results:
         print(f"ratio mp / uni: {results['mp'] / results['uni']:.3f}x")
+    for executor in args.executor.split(","):
+        on, off = results.get(f"{executor}, tracing on"), results.get(f"{executor}, tracing off")
+        if on and off:
+            print(f"ratio tracing on / off ({executor}): {on / off:.3f}x")
     tps_ss = max(results.values())
     if args.skip_transformers:
         return

@@ -67,6 +67,11 @@ class BenchResult:
     concurrency: int | None
     request_rate: float | None
     requests: list[RequestResult]
+    # Prompt tokens the server looked up in / found in its prefix cache during the run, from its
+    # /metrics; None where the server does not export them. Hits mean prefill was skipped, as
+    # when the same seed is replayed against a server that still holds the last run's blocks.
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
 
 
 def run_bench_serve(
@@ -126,13 +131,19 @@ async def bench_serve_async(
         if not first.success:
             raise ValueError(f"the warm-up request to {url} failed: {first.error}")
 
+        before = await prefix_cache_counters(client)
         start = time.perf_counter()
         if request_rate is None:
             results = await _closed_loop(client, model, workload, concurrency)
         else:
             results = await _open_loop(client, model, workload, request_rate, seed)
         duration = time.perf_counter() - start
-    return summarize(results, duration, concurrency, request_rate)
+        after = await prefix_cache_counters(client)
+    res = summarize(results, duration, concurrency, request_rate)
+    if before and after:
+        res.prefix_cache_queries = after[0] - before[0]
+        res.prefix_cache_hits = after[1] - before[1]
+    return res
 
 
 async def served_model(client: httpx.AsyncClient) -> str:
@@ -142,6 +153,21 @@ async def served_model(client: httpx.AsyncClient) -> str:
         return r.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         raise ValueError(f"cannot list the models of {client.base_url}: {e!r}") from e
+
+
+async def prefix_cache_counters(client: httpx.AsyncClient) -> tuple[int, int] | None:
+    """(prompt tokens looked up, prompt tokens found) so far, from the server's /metrics."""
+    names = ("stepscope:prefix_cache_queries_total", "stepscope:prefix_cache_hits_total")
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in r.text.splitlines() if r.status_code == 200 else []:
+        name, _, value = line.partition("{")
+        if name in names:
+            values[name] = int(float(value.rsplit(" ", 1)[1]))
+    return (values[names[0]], values[names[1]]) if len(values) == 2 else None
 
 
 async def _closed_loop(
@@ -292,6 +318,11 @@ def format_result(res: BenchResult) -> str:
     row("Request throughput (req/s):", res.request_throughput)
     row("Output token throughput (tok/s):", res.output_throughput)
     row("Total Token throughput (tok/s):", res.total_token_throughput)
+    if res.prefix_cache_queries:
+        row(
+            "Prefix cache hits / prompt tokens:",
+            f"{res.prefix_cache_hits} / {res.total_input_tokens}",
+        )
     for title, short, stats in (
         ("Time to First Token", "TTFT", res.ttft),
         ("Time per Output Token (excl. 1st token)", "TPOT", res.tpot),
@@ -341,6 +372,11 @@ def bench_serve(args: argparse.Namespace) -> None:
         print(
             f"note: {res.total_output_tokens} tokens generated, the workload asks for "
             f"{workload.num_output_tokens}"
+        )
+    if res.prefix_cache_hits:
+        print(
+            "note: the server's prefix cache skipped the prefill of "
+            f"{res.prefix_cache_hits} prompt tokens; another --seed gives prompts it has not seen"
         )
     if not args.compare_offline:
         return

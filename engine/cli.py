@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="uni",
         help="uni, mp, or both as 'uni,mp' to compare them side by side in one run",
     )
+    p.add_argument(
+        "--tracing",
+        default="off",
+        help="off, on (spans into a DuckDB file), or 'off,on' to compare them in one run",
+    )
     p.set_defaults(func=_bench_offline)
     return parser
 
