@@ -18,7 +18,7 @@ def _prepare(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from stepscope.engine.demo import run_demo
 
-    run_demo(args.model)
+    run_demo(args.model, args.port, args.dashboard_port, wait=not args.no_wait)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -53,8 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", choices=BUILTIN_MODELS)
     p.set_defaults(func=_prepare)
 
-    p = sub.add_parser("demo", help="run a small sample workload and show what the engine did")
+    p = sub.add_parser("demo", help="serve the default model, run a sample workload, show it")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dashboard-port", type=int, default=5006)
+    p.add_argument("--no-wait", action="store_true", help="stop once the workload is done")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible server, engine core and workers")
@@ -95,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-steps",
         default="all",
         help="which steps record spans: all, every:N or off (requests always do)",
+    )
+    p.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=None,
+        help="also serve the live dashboard on this port (from the collector)",
     )
     p.set_defaults(func=_serve, collector_extensions=())
 

@@ -1,11 +1,20 @@
-"""`make demo`: a small sample workload on the default model, and what the engine did with it."""
+"""`make demo`: the whole system on the default model with a small sample workload.
+
+Starts `stepscope serve` (API server, engine core, worker, trace collector and dashboard), sends
+a few chat requests through the official `openai` client, streaming, and shows what came back and
+where to look next: the dashboard, /metrics and the trace file.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from stepscope.engine.llm import LLM
-from stepscope.engine.sampling_params import SamplingParams
+import httpx
 
 SAMPLE_CHATS = [
     "What is the capital of France?",
@@ -17,29 +26,81 @@ SAMPLE_CHATS = [
 ]
 
 
-def run_demo(model: str) -> None:
-    print(f"loading {model} ...")
-    llm = LLM(model=model)
-    cfg = llm.config
-    print(
-        f"engine: block_size={cfg.block_size} kv_blocks={llm.client.num_kv_blocks} "
-        f"budget={cfg.max_num_batched_tokens} tokens/step max_num_seqs={cfg.max_num_seqs} "
-        f"prefix_caching={cfg.enable_prefix_caching} attention={cfg.attention_backend}"
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=48)
-    start = time.time()
-    outputs = llm.chat([[{"role": "user", "content": q}] for q in SAMPLE_CHATS], params)
-    elapsed = time.time() - start
-    total = 0
-    for q, out in zip(SAMPLE_CHATS, outputs, strict=True):
-        c = out.outputs[0]
-        m = out.metrics
-        total += len(c.token_ids)
-        print(f"\n> {q}\n{c.text.strip()}")
-        print(
-            f"  [{len(out.prompt_token_ids)} prompt tokens, {m.num_cached_tokens} from prefix "
-            f"cache; {len(c.token_ids)} generated, finish={c.finish_reason}; "
-            f"queue {m.queue_time * 1e3:.0f} ms, TTFT {m.ttft * 1e3:.0f} ms]"
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"stepscope serve exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("stepscope serve did not become healthy")
+
+
+async def _workload(url: str, model: str) -> None:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="demo")
+
+    async def one(question: str) -> tuple[str, str, float, float]:
+        start = time.perf_counter()
+        first = None
+        parts = []
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=48,
+            temperature=0,
+            stream=True,
         )
-    steps = llm.get_stats()["num_steps"]
-    print(f"\n{total} tokens in {elapsed:.1f} s ({total / elapsed:.1f} tok/s) over {steps} steps")
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                parts.append(chunk.choices[0].delta.content)
+        end = time.perf_counter()
+        return question, "".join(parts), (first or end) - start, end - start
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(q) for q in SAMPLE_CHATS))
+    elapsed = time.perf_counter() - start
+    for question, answer, ttft, e2e in results:
+        print(f"\n> {question}\n{answer.strip()}\n  [TTFT {ttft * 1e3:.0f} ms, total {e2e:.1f} s]")
+    print(f"\n{len(results)} concurrent streaming requests in {elapsed:.1f} s")
+
+
+def run_demo(model: str, port: int = 8000, dashboard_port: int = 5006, wait: bool = True) -> None:
+    trace_db = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.duckdb"
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "stepscope.engine.cli", "serve", "--model", model,
+           "--port", str(port), "--trace-db", str(trace_db),
+           "--dashboard-port", str(dashboard_port)]  # fmt: skip
+    print(f"starting: {' '.join(cmd[2:])}", flush=True)
+    server = subprocess.Popen(cmd)
+    try:
+        _wait_healthy(url, server)
+        asyncio.run(_workload(url, model))
+        metrics = httpx.get(f"{url}/metrics").text
+        wanted = ("stepscope:generation_tokens_total", "stepscope:prefix_cache_hits_total",
+                  "stepscope:num_preemptions_total")  # fmt: skip
+        for line in metrics.splitlines():
+            if line.startswith(wanted):
+                print(" ", line)
+        print(f"\nOpenAI API:  {url}/v1   metrics: {url}/metrics")
+        print(f"dashboard:   http://127.0.0.1:{dashboard_port}")
+        print(f"trace file:  {trace_db} (stepscope trace summary {trace_db}, once stopped)")
+        if wait:
+            print("\nThe server keeps running: try the dashboard, or send your own requests. "
+                  "Ctrl-C stops everything.", flush=True)  # fmt: skip
+            server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -44,9 +45,12 @@ def serve(args: argparse.Namespace) -> None:
 
     EngineConfig(model=args.model, offline=False, **engine_args)
     # The collector owns the trace file while we run; every process sends it spans over OTLP.
-    collector, collector_url = start_collector_process(
-        str(trace_db), extensions=args.collector_extensions
-    )
+    extensions = list(args.collector_extensions)
+    if args.dashboard_port is not None:
+        # The live dashboard runs inside the collector, which owns the trace file.
+        os.environ["STEPSCOPE_DASHBOARD_PORT"] = str(args.dashboard_port)
+        extensions.append("stepscope.viz.dashboard:mount_on_collector")
+    collector, collector_url = start_collector_process(str(trace_db), extensions=extensions)
     engine_args["collector_endpoint"] = collector_url
     init_process_tracing(
         names.SERVICE_API,
@@ -62,6 +66,8 @@ def serve(args: argparse.Namespace) -> None:
     )
     print(f"stepscope: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     print(f"stepscope: traces -> {trace_db} (collector {collector_url})", flush=True)
+    if args.dashboard_port is not None:
+        print(f"stepscope: dashboard on http://127.0.0.1:{args.dashboard_port}", flush=True)
     try:
         uvicorn.run(
             app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
