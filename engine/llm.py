@@ -324,6 +324,7 @@ class LLM:
             child.span.finish(
                 output_tokens=len(child.detokenizer.token_ids), finish_reasons=[child.finish_reason]
             )
+            child.span.end()
             return True
         return False
 

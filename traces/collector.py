@@ -392,6 +392,8 @@ class CollectorProcess:
     def join(self, timeout: float | None = None) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout)
+        if self.popen.poll() is not None and self.popen.stdout is not None:
+            self.popen.stdout.close()
 
 
 def _terminate_and_wait(popen: subprocess.Popen) -> None:

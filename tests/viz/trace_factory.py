@@ -119,9 +119,13 @@ class _Run:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9)
         with self.process("api"):
             request = sp.request_span(
-                rid, model=MODEL, max_tokens=max_tokens, temperature=0.7, top_p=0.9,
+                rid,
+                model=MODEL,
+                max_tokens=max_tokens,
+                temperature=0.7,
+                top_p=0.9,
                 input_tokens=prompt_len,
-            )  # fmt: skip
+            )
             self.request_spans[rid] = request
             time.sleep(0.0003 + prompt_len * 2e-6)  # HTTP parsing and tokenizing
             with request.current():
@@ -132,21 +136,25 @@ class _Run:
                     crossing.set_nbytes(len(data))
         t0 = time.time_ns()
         time.sleep(0.0001)
-        with self.process("engine_core"):
-            with sp.receive_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", len(data), 1,
-                                 carrier, start_ns=t0):  # fmt: skip
-                self.links[rid] = sp.request_link(carrier)
-                self.scheduler.add_request(
-                    Request(rid, prompt, params, None, BLOCK_SIZE, arrival_time=time.time())
-                )
+        with (
+            self.process("engine_core"),
+            sp.receive_span(
+                n.API_TO_ENGINE_CORE, "EngineCoreRequest", len(data), 1, carrier, start_ns=t0
+            ),
+        ):
+            self.links[rid] = sp.request_link(carrier)
+            self.scheduler.add_request(
+                Request(rid, prompt, params, None, BLOCK_SIZE, arrival_time=time.time())
+            )
 
     def _worker(self, rank: int, output: SchedulerOutput, carrier: dict, nbytes: int):
         num_reqs = len(output.num_scheduled_tokens)
         back_carrier: dict[str, str] = {}
         t0 = time.time_ns()
         with self.process(f"worker{rank}"):
-            with sp.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", nbytes, num_reqs,
-                                 carrier, start_ns=t0):  # fmt: skip
+            with sp.receive_span(
+                n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", nbytes, num_reqs, carrier, start_ns=t0
+            ):
                 time.sleep(0.00005)
             with sp.worker_step_span(output.step, rank, carrier):
                 with sp.child_span(n.PREPARE_INPUTS):
@@ -202,8 +210,9 @@ class _Run:
                     result, back_carrier = futures[0].result()
                     for future in futures[1:]:
                         future.result()
-                    with sp.receive_span(n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 200,
-                                         num_reqs, back_carrier):  # fmt: skip
+                    with sp.receive_span(
+                        n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 200, num_reqs, back_carrier
+                    ):
                         pass
                 with sp.child_span(n.UPDATE):
                     outputs = scheduler.update_from_output(output, result)
@@ -214,16 +223,26 @@ class _Run:
                 return
             ids = [o.request_id for o in outputs]
             crossing, carrier = sp.send_span(
-                n.ENGINE_CORE_TO_API, "EngineCoreOutputs", None, len(outputs),
-                step=output.step, request_ids=ids,
-            )  # fmt: skip
+                n.ENGINE_CORE_TO_API,
+                "EngineCoreOutputs",
+                None,
+                len(outputs),
+                step=output.step,
+                request_ids=ids,
+            )
             with crossing:
                 data = _encode(EngineCoreOutputs(outputs, time.time(), carrier))
                 crossing.set_nbytes(len(data))
         t0 = time.time_ns()
         with self.process("api"):
-            with sp.receive_span(n.ENGINE_CORE_TO_API, "EngineCoreOutputs", len(data),
-                                 len(outputs), carrier, start_ns=t0):  # fmt: skip
+            with sp.receive_span(
+                n.ENGINE_CORE_TO_API,
+                "EngineCoreOutputs",
+                len(data),
+                len(outputs),
+                carrier,
+                start_ns=t0,
+            ):
                 pass
             for out in outputs:
                 request = self.request_spans[out.request_id]
@@ -251,8 +270,8 @@ WORKLOAD = [
 ]
 
 
-def write_trace(path: str, seed: int = 0, max_steps: int = 200) -> dict[str, int]:
-    """Run the workload, write its spans into `path`, and say what the run did."""
+def record_workload(seed: int = 0, max_steps: int = 200) -> tuple[list, dict[str, int]]:
+    """Run the workload; returns its spans (SDK `ReadableSpan`s) and what the run did."""
     run = _Run(seed)
     pending = list(enumerate(WORKLOAD))
     step = 0
@@ -268,14 +287,22 @@ def write_trace(path: str, seed: int = 0, max_steps: int = 200) -> dict[str, int
         setup.state = previous
         run.workers.shutdown()
     assert not run.scheduler.has_unfinished_requests(), "the workload did not finish"
-    with TraceStore(path) as store:
-        store.insert_spans(run.exporter.get_finished_spans())
-    return {
+    info = {
         "steps": step,
         "requests": len(WORKLOAD),
         "preemptions": run.scheduler.num_preemptions,
         "prefix_hits": run.kv.prefix_hits,
     }
+    return list(run.exporter.get_finished_spans()), info
+
+
+def write_trace(path: str, seed: int = 0) -> dict[str, int]:
+    """Run the workload, write its spans into the DuckDB file `path` (closed after), and say what
+    the run did."""
+    spans, info = record_workload(seed)
+    with TraceStore(path) as store:
+        store.insert_spans(spans)
+    return info
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""The ten stages measured from a real run's trace file, the trace sources, and the app's pages
+built over it (no browser)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from stepscope.traces import names as n
+from stepscope.viz.request_path import STAGES, stage_occurrences, stage_summary
+from stepscope.viz.sources import DuckDBSource
+
+
+@pytest.fixture(scope="module")
+def source(trace_db):
+    src = DuckDBSource(trace_db[0])
+    yield src
+    src.close()
+
+
+def test_ten_stages_cover_the_four_boundaries_once_each():
+    assert [s.number for s in STAGES] == list(range(1, 11))
+    crossing = [s for s in STAGES if "->" in s.process]
+    assert [s.crosses.split()[0] for s in crossing] == [
+        "EngineCoreRequest",
+        "SchedulerOutput",
+        "ModelRunnerOutput",
+        "EngineCoreOutputs",
+    ]
+    assert "never text" in STAGES[8].action
+
+
+def _first_request(source) -> str:
+    return source.query("SELECT request_id FROM requests ORDER BY start_ns LIMIT 1").iloc[0, 0]
+
+
+def test_every_stage_is_measured_for_a_request(source):
+    request, occ = stage_occurrences(source, _first_request(source))
+    assert set(occ["stage"]) == set(range(1, 11))
+    assert (occ["end_ns"] >= occ["start_ns"]).all()
+    served = occ.loc[occ["stage"] == 4, "step"].nunique()
+    assert served >= request["output_tokens"]  # at least one step per output token
+    # Each step: one schedule and update, one core->worker crossing and forward per rank (TP=2).
+    for stage, per_step in ((4, 1), (5, 2), (6, 2), (7, 1), (8, 1)):
+        assert (occ["stage"] == stage).sum() == served * per_step, stage
+    assert set(occ.loc[occ["stage"] == 6, "rank"]) == {0, 1}
+    # Stages happen in order within the request's life.
+    first = occ.groupby("stage")["start_ns"].min()
+    assert first[1] <= first[2] <= first[4] <= first[5] <= first[6] <= first[8] <= first[10]
+    assert occ["start_ns"].min() >= request["start_ns"]
+    assert occ["end_ns"].max() <= request["end_ns"]
+
+
+def test_preempted_request_waits_again(source):
+    preempted = source.query("SELECT request_id FROM requests WHERE num_preemptions > 0")
+    assert len(preempted), "the trace fixture must contain a preemption"
+    _, occ = stage_occurrences(source, preempted["request_id"].iloc[0])
+    waits = occ[occ["stage"] == 3]
+    assert len(waits) >= 2
+    assert "preemption" in waits["detail"].iloc[-1]
+
+
+def test_stage_summary_has_one_row_per_stage(source):
+    _, occ = stage_occurrences(source, _first_request(source))
+    summary = stage_summary(occ)
+    assert list(summary["stage"]) == list(range(1, 11))
+    assert (summary["times"] >= 1).all()
+    assert summary["total_ms"].sum() > 0
+
+
+def test_unknown_request_is_a_key_error(source):
+    with pytest.raises(KeyError):
+        stage_occurrences(source, "no-such-request")
+
+
+def test_duckdb_source_is_read_only_and_checks_the_file(tmp_path, trace_db):
+    src = DuckDBSource(trace_db[0])
+    try:
+        assert not src.live
+        assert (
+            src.query("SELECT count(*) AS n FROM requests")["n"].iloc[0] == trace_db[1]["requests"]
+        )
+        with pytest.raises(Exception, match="read-only"):
+            src.query("CREATE TABLE x (a INTEGER)")
+    finally:
+        src.close()
+    import duckdb
+
+    other = tmp_path / "other.duckdb"
+    duckdb.connect(str(other)).close()
+    with pytest.raises(ValueError, match="not a stepscope trace file"):
+        DuckDBSource(other)
+
+
+def test_app_pages_read_the_trace(source, trace_db):
+    from stepscope.viz import app
+
+    page = app.build_app(source)
+    assert page.title == "stepscope"
+    info = trace_db[1]
+    engine = app.EnginePage(source, open_request=lambda rid: None)
+    table = engine.table.value
+    ids = set(source.query("SELECT request_id FROM requests")["request_id"])
+    assert len(table) == info["requests"] and set(table["request_id"]) == ids
+    steps = pd.DataFrame(engine.step_source.data)
+    assert len(steps) == info["steps"]
+    assert steps["preempted"].sum() == info["preemptions"]
+    assert steps["prefill"].max() == info["max_prefill"]
+    assert "eng-requests" in engine.summary.object
+    lanes = set(engine.lane_bars.data["lane"])
+    assert lanes == {"engine core", "worker 0", "worker 1"}
+    boundaries = set(engine.lane_links.data["boundary"])
+    assert boundaries == {
+        n.API_TO_ENGINE_CORE,
+        n.ENGINE_CORE_TO_WORKER,
+        n.WORKER_TO_ENGINE_CORE,
+        n.ENGINE_CORE_TO_API,
+    }
+
+    engine.show_step(3)
+    assert "<b>step 3</b>:" in engine.step_detail.object
+    assert all(marker.location == 3 for marker in engine.markers)
+
+    path = app.RequestPathPage(source)
+    assert len(path.select.options) == info["requests"]
+    rid = _first_request(source)
+    path.show(rid)
+    assert 'id="stage-10"' in path.stages.object
+    assert f'id="ro-req-id">{rid}<' in path.header.object
+
+
+def test_app_without_a_trace_says_how_to_get_one():
+    from stepscope.viz import app
+
+    engine = app.EnginePage(None, open_request=lambda rid: None)
+    assert engine.empty.visible and "stepscope serve --trace-db" in engine.empty.object
+    path = app.RequestPathPage(None)
+    assert path.empty.visible and "trace_db=" in path.empty.object
+    app.build_app(None)

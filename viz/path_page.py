@@ -1,0 +1,281 @@
+"""Dashboard page 2: one request's way through the seed's ten stages, from its spans.
+
+The stage definitions and the span arithmetic live in `request_path`; this page draws them: a
+waterfall of every occurrence of every stage, the request's headline numbers, and the stage table.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+import pandas as pd
+import panel as pn
+from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Span
+
+from stepscope.viz.request_path import (
+    STAGES,
+    preemption_times,
+    stage_occurrences,
+    stage_summary,
+)
+from stepscope.viz.sources import TraceSource
+from stepscope.viz.ui import (
+    COLORS,
+    CSS,
+    NO_TRACE,
+    bokeh_pane,
+    cards,
+    fmt_ms,
+    int_text,
+    new_figure,
+    outside_legend,
+)
+
+MAX_REQUESTS = 5000  # requests offered in the picker (the most recent)
+STAGE_KIND = {
+    1: "api",
+    2: "crossing",
+    3: "engine core",
+    4: "engine core",
+    5: "crossing",
+    6: "worker",
+    7: "crossing",
+    8: "engine core",
+    9: "crossing",
+    10: "api",
+}
+
+
+# ---- the page -----------------------------------------------------------------
+class RequestPathPage:
+    """The seed's ten stages, each with the measured spans of one chosen request."""
+
+    def __init__(self, source: TraceSource | None) -> None:
+        self.source = source
+        self.select = pn.widgets.Select(label="Request", options={}, width=420)
+        self.header = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
+        self.stages = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
+        self.empty = pn.pane.Markdown(NO_TRACE if source is None else "", visible=False)
+        labels = [f"{s.number} · {s.name}" for s in STAGES]
+        self.bars = ColumnDataSource(
+            dict(
+                stage=[],
+                left=[],
+                right=[],
+                mid=[],
+                color=[],
+                kind=[],
+                step=[],
+                rank=[],
+                duration=[],
+                detail=[],
+                process=[],
+            )
+        )
+        fig = new_figure(
+            "Waterfall: every occurrence of each stage (ms since the request arrived)",
+            height=420,
+            y_range=FactorRange(*reversed(labels)),
+            x_axis_label="ms since the request arrived",
+        )
+        bars = fig.hbar(
+            y="stage",
+            left="left",
+            right="right",
+            height=0.55,
+            color="color",
+            legend_field="kind",
+            source=self.bars,
+        )
+        # Crossings take microseconds: a marker keeps them visible at any zoom.
+        marks = fig.scatter(
+            x="mid", y="stage", color="color", size=7, marker="diamond", source=self.bars
+        )
+        fig.add_tools(
+            HoverTool(
+                renderers=[bars, marks],
+                tooltips=[
+                    ("stage", "@stage"),
+                    ("process", "@process"),
+                    ("step", "@step"),
+                    ("rank", "@rank"),
+                    ("time", "@duration"),
+                    ("", "@detail"),
+                ],
+            )
+        )
+        self.event_lines = {
+            name: Span(
+                location=0,
+                dimension="height",
+                line_dash=dash,
+                line_color=color,
+                line_width=1.5,
+                visible=False,
+            )
+            for name, dash, color in (
+                ("first_token", "dashed", "#2c7a2c"),
+                ("scheduled", "dotted", "#33414e"),
+            )
+        }
+        for line in self.event_lines.values():
+            fig.add_layout(line)
+        self.preemptions = ColumnDataSource(dict(x=[], top=[], bottom=[], label=[]))
+        cuts = fig.segment(
+            x0="x",
+            x1="x",
+            y0="top",
+            y1="bottom",
+            source=self.preemptions,
+            color=COLORS["preempt"],
+            line_width=2,
+            line_dash="dashed",
+            legend_label="preempted",
+        )
+        fig.add_tools(HoverTool(renderers=[cuts], tooltips=[("", "@label")]))
+        outside_legend(fig)
+        self.fig = fig
+        self.select.param.watch(lambda e: self.show(e.new), "value")
+        self.panel = pn.Column(
+            pn.pane.Markdown(
+                "A request crosses four process boundaries and ten stages (the seed's section "
+                "05). Pick a request: each stage below shows where it runs, what it does, the "
+                "object that crosses, and the time measured from that request's spans. Stages 4 "
+                "to 9 repeat once per step that served the request; the dashed green line is "
+                "its first token.",
+                sizing_mode="stretch_width",
+            ),
+            self.empty,
+            self.select,
+            self.header,
+            bokeh_pane(fig),
+            self.stages,
+            sizing_mode="stretch_width",
+        )
+        self.refresh_options()
+
+    def refresh_options(self) -> None:
+        if self.source is None:
+            self._set_empty(NO_TRACE)
+            return
+        try:
+            frame = self.source.query(
+                "SELECT request_id, input_tokens, output_tokens, e2e_s FROM requests "
+                f"WHERE request_id IS NOT NULL ORDER BY start_ns DESC LIMIT {MAX_REQUESTS}"
+            )
+        except Exception as error:  # a collector that went away: say so, keep the page
+            self._set_empty(f"Could not read requests: {error}")
+            return
+        if frame.empty:
+            self._set_empty("No requests in this trace yet.")
+            return
+        self.empty.visible = False
+        self.select.visible = True
+        options = {
+            f"{r.request_id}  ({int_text(r.input_tokens)} in, {int_text(r.output_tokens)} out, "
+            f"{fmt_ms(r.e2e_s)})": r.request_id
+            for r in frame.itertuples(index=False)
+        }
+        if options != self.select.options:
+            current = self.select.value
+            self.select.options = options
+            if current in options.values():
+                self.select.value = current
+                self.show(current)  # the trace grew (live): redraw its path
+        if self.select.value is None or self.select.value not in options.values():
+            self.select.value = next(iter(options.values()))
+
+    def _set_empty(self, text: str) -> None:
+        self.empty.object = text
+        self.empty.visible = True
+        self.select.visible = False
+
+    def show(self, request_id: str | None) -> None:
+        if request_id is None or self.source is None:
+            return
+        if self.select.value != request_id:
+            self.select.value = request_id  # calls back into show()
+            return
+        try:
+            request, occ = stage_occurrences(self.source, request_id)
+        except KeyError:
+            return
+        start = request["start_ns"]
+        kinds = [STAGE_KIND[s] for s in occ["stage"]]
+        left = (occ["start_ns"] - start) / 1e6
+        right = (occ["end_ns"] - start) / 1e6
+        self.bars.data = dict(
+            stage=[f"{s} · {name}" for s, name in zip(occ["stage"], occ["name"], strict=True)],
+            left=left.to_numpy(float),
+            right=right.to_numpy(float),
+            mid=((left + right) / 2).to_numpy(float),
+            color=[COLORS[k] for k in kinds],
+            kind=kinds,
+            step=["-" if pd.isna(v) else str(int(v)) for v in occ["step"]],
+            rank=["-" if pd.isna(v) else str(int(v)) for v in occ["rank"]],
+            duration=[
+                f"{(e - s) / 1e3:.1f} µs"
+                for s, e in zip(occ["start_ns"], occ["end_ns"], strict=True)
+            ],
+            detail=list(occ["detail"]),
+            process=[STAGES[s - 1].process for s in occ["stage"]],
+        )
+        for name, line in self.event_lines.items():
+            value = request.get(f"{name}_ns")
+            line.visible = value is not None
+            if value is not None:
+                line.location = (value - start) / 1e6
+        cuts = [(t - start) / 1e6 for t in preemption_times(self.source, request)]
+        first, last = f"1 · {STAGES[0].name}", f"{len(STAGES)} · {STAGES[-1].name}"
+        self.preemptions.data = dict(
+            x=cuts,
+            top=[first] * len(cuts),
+            bottom=[last] * len(cuts),
+            label=[f"preempted at {x:.2f} ms: blocks freed, recomputed later" for x in cuts],
+        )
+        num_steps = occ.loc[occ["stage"] == 4, "step"].nunique()
+        self.header.object = cards(
+            [
+                ("req-id", "request", request_id),
+                (
+                    "req-tokens",
+                    "prompt / output tokens",
+                    f"{int_text(request['input_tokens'])} / {int_text(request['output_tokens'])}",
+                ),
+                ("req-queue", "queue", fmt_ms(request["queue_time_s"], 2)),
+                ("req-ttft", "time to first token", fmt_ms(request["ttft_s"], 2)),
+                ("req-e2e", "end to end", fmt_ms(request["e2e_s"], 2)),
+                ("req-steps", "steps that served it", str(num_steps)),
+                ("req-cached", "prefix-cache tokens", int_text(request["cached_tokens"])),
+                ("req-preempt", "preemptions", int_text(request["num_preemptions"])),
+                ("req-finish", "finish", str(request["finish_reason"] or "-")),
+            ]
+        )
+        self.stages.object = _stage_table(stage_summary(occ))
+
+
+def _code(text: str) -> str:
+    """`backticks` -> <code>, the rest escaped."""
+    return re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
+
+
+def _stage_table(summary: pd.DataFrame) -> str:
+    rows = []
+    for r in summary.itertuples(index=False):
+        color = COLORS[STAGE_KIND[r.stage]]
+        first = "-" if r.first_ms is None or pd.isna(r.first_ms) else f"{r.first_ms:.3f}"
+        total = "-" if r.total_ms is None or pd.isna(r.total_ms) else f"{r.total_ms:.3f}"
+        rows.append(
+            f'<tr id="stage-{r.stage}"><td class="num">{r.stage}</td>'
+            f'<td><span class="ss-dot" style="background:{color}"></span>'
+            f"<b>{html.escape(r.name)}</b></td><td>{html.escape(r.process)}</td>"
+            f"<td>{html.escape(r.action)}</td><td>{html.escape(r.crosses)}</td>"
+            f'<td class="num">{r.times}</td><td class="num">{first}</td>'
+            f'<td class="num">{total}</td><td><small>{_code(r.measured_by)}</small></td></tr>'
+        )
+    head = (
+        "<tr><th>#</th><th>stage</th><th>process</th><th>action</th><th>object that crosses</th>"
+        "<th>times</th><th>first (ms)</th><th>total (ms)</th><th>measured by</th></tr>"
+    )
+    return f'<table class="ss-table">{head}{"".join(rows)}</table>'

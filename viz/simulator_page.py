@@ -1,0 +1,543 @@
+"""Dashboard page 1: the seed's section 03 walkthrough, computed by the real scheduler.
+
+Three sliders (running decode requests, waiting prompt length, free KV blocks) plus the step's
+settings and the seed's presets drive `simulator.simulate_step` (one real `schedule()`) and
+`simulator.simulate_steps` (many real steps), whose answers are shown as readouts and charts.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import pandas as pd
+import panel as pn
+from bokeh.models import ColumnDataSource, FactorRange, HoverTool, LinearAxis, Range1d, Span
+from bokeh.plotting import figure
+
+from stepscope.viz.simulator import (
+    GROUP_A,
+    GROUP_B,
+    SEED_SETTINGS,
+    SimStep,
+    StepResult,
+    simulate_step,
+    simulate_steps,
+)
+from stepscope.viz.ui import COLORS, CSS, TABLE_CSS, cards, new_figure, outside_legend
+
+# ---- presets ------------------------------------------------------------
+PRESETS: dict[str, dict[str, int]] = {
+    "Seed settings (2048 / 64 / 256)": dict(SEED_SETTINGS),
+    "Group A: admitted": {**SEED_SETTINGS, **GROUP_A},
+    "Group B: short by 14 blocks": {**SEED_SETTINGS, **GROUP_B},
+    "Small pool: chunks, prefix hit, preemption": {
+        "budget": 128,
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "running": 4,
+        "prompt_len": 480,
+        "free_blocks": 36,
+        "num_steps": 24,
+        "output_len": 16,
+        "repeat_at": 4,
+    },
+}
+
+
+class SimulatorPage:
+    """Section 03's three sliders, computed by the real scheduler, one step and many."""
+
+    def __init__(self) -> None:
+        slider = dict(sizing_mode="stretch_width")
+        self.running = pn.widgets.IntSlider(
+            label="Running decode requests",
+            start=0,
+            end=512,
+            value=64,
+            css_classes=["sim-running"],
+            **slider,
+        )
+        self.prompt_len = pn.widgets.IntSlider(
+            label="Waiting prompt length (tokens)",
+            start=1,
+            end=16384,
+            value=3968,
+            css_classes=["sim-prompt"],
+            **slider,
+        )
+        self.free_blocks = pn.widgets.IntSlider(
+            label="Free KV blocks",
+            start=0,
+            end=1024,
+            value=64,
+            css_classes=["sim-free"],
+            **slider,
+        )
+        small = dict(width=150)
+        self.budget = pn.widgets.IntInput(
+            label="Token budget",
+            css_classes=["sim-budget"],
+            value=2048,
+            start=1,
+            end=65536,
+            step=64,
+            **small,
+        )
+        self.block_size = pn.widgets.IntInput(
+            label="Block size",
+            css_classes=["sim-block-size"],
+            value=64,
+            start=2,
+            end=1024,
+            step=16,
+            **small,
+        )
+        self.max_num_seqs = pn.widgets.IntInput(
+            label="max_num_seqs",
+            css_classes=["sim-max-seqs"],
+            value=256,
+            start=1,
+            end=8192,
+            **small,
+        )
+        self.presets = [
+            pn.widgets.Button(label=name, color="primary", variant="outline") for name in PRESETS
+        ]
+        for button in self.presets:
+            button.on_click(lambda event, name=button.label: self.apply_preset(name))
+
+        self.num_steps = pn.widgets.IntInput(label="Steps", value=24, start=1, end=100, **small)
+        self.output_len = pn.widgets.IntInput(
+            label="Tokens to generate", value=8, start=1, end=1024, **small
+        )
+        self.repeat = pn.widgets.Checkbox(label="Same prompt again at step", value=True)
+        self.repeat_at = pn.widgets.IntInput(label="", value=3, start=0, end=99, width=80)
+        self.prefix_caching = pn.widgets.Checkbox(label="Prefix caching", value=True)
+
+        self.readouts = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
+        self.budget_source = ColumnDataSource(
+            dict(row=[], decode=[], chunk=[], refused=[], unused=[])
+        )
+        self.blocks_source = ColumnDataSource(dict(row=[], left=[], right=[], color=[], label=[]))
+        self.budget_fig, self.blocks_fig = self._bars()
+
+        self.steps_source = ColumnDataSource(
+            dict(step=[], decode=[], prefill=[], free=[], top=[], preempted=[], hits=[])
+        )
+        self.preempt_source = ColumnDataSource(dict(step=[], y=[], label=[]))
+        self.hit_source = ColumnDataSource(dict(step=[], y=[], label=[]))
+        self.steps_fig, self.budget_line = self._steps_figure()
+        self.steps_table = pn.widgets.Tabulator(
+            pd.DataFrame(),
+            disabled=True,
+            show_index=False,
+            height=320,
+            sizing_mode="stretch_width",
+            layout="fit_data_fill",
+            theme="simple",
+            stylesheets=[TABLE_CSS],
+        )
+        self.story = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
+        self.error = pn.pane.Alert("", alert_type="danger", visible=False)
+
+        self._holding = False
+        one_step = [
+            self.running,
+            self.prompt_len,
+            self.free_blocks,
+            self.budget,
+            self.block_size,
+            self.max_num_seqs,
+        ]
+        multi = [self.num_steps, self.output_len, self.repeat, self.repeat_at, self.prefix_caching]
+        for widget in one_step + multi:
+            widget.param.watch(self._changed, "value")
+        self.update()
+        self.panel = self._layout()
+
+    # -- layout --
+    def _bars(self) -> tuple[figure, figure]:
+        budget = new_figure(
+            "This step's token budget",
+            height=150,
+            x_range=Range1d(0, 2048),
+            y_range=FactorRange("tokens"),
+        )
+        budget.toolbar_location = None
+        budget.hbar_stack(
+            ["decode", "chunk", "refused", "unused"],
+            y="row",
+            height=0.6,
+            source=self.budget_source,
+            color=[COLORS["decode"], COLORS["prefill"], COLORS["refused"], COLORS["unused"]],
+            legend_label=[
+                "decode (1 token each)",
+                "first prefill chunk",
+                "chunk not admitted",
+                "unused",
+            ],
+        )
+        budget.add_tools(
+            HoverTool(
+                tooltips=[
+                    ("decode", "@decode"),
+                    ("first chunk", "@chunk"),
+                    ("not admitted", "@refused"),
+                    ("unused", "@unused"),
+                ]
+            )
+        )
+        outside_legend(budget, "below")
+        budget.y_range.range_padding = 0.3
+        blocks = new_figure(
+            "KV blocks: free vs needed by the first chunk",
+            height=170,
+            x_range=Range1d(0, 70),
+            y_range=FactorRange("needed", "free"),
+        )
+        blocks.toolbar_location = None
+        blocks.hbar(
+            y="row",
+            left="left",
+            right="right",
+            height=0.6,
+            color="color",
+            legend_field="label",
+            source=self.blocks_source,
+        )
+        blocks.add_tools(HoverTool(tooltips=[("", "@label: @left to @right")]))
+        outside_legend(blocks, "below")
+        return budget, blocks
+
+    def _steps_figure(self) -> tuple[figure, Span]:
+        fig = new_figure(
+            "Many steps: tokens scheduled per step, free KV blocks",
+            height=330,
+            y_range=Range1d(0, 2560),
+            x_axis_label="step",
+            y_axis_label="tokens",
+        )
+        bars = fig.vbar_stack(
+            ["decode", "prefill"],
+            x="step",
+            width=0.8,
+            source=self.steps_source,
+            color=[COLORS["decode"], COLORS["prefill"]],
+            legend_label=["decode tokens", "prefill tokens"],
+        )
+        budget_line = Span(
+            location=2048,
+            dimension="width",
+            line_dash="dashed",
+            line_color="#33414e",
+            line_width=1.5,
+        )
+        fig.add_layout(budget_line)
+        fig.extra_y_ranges = {"blocks": Range1d(0, 100)}
+        fig.add_layout(LinearAxis(y_range_name="blocks", axis_label="free KV blocks"), "right")
+        line = fig.line(
+            "step",
+            "free",
+            y_range_name="blocks",
+            source=self.steps_source,
+            color=COLORS["free"],
+            line_width=2,
+            legend_label="free blocks (after)",
+        )
+        fig.scatter(
+            "step",
+            "free",
+            y_range_name="blocks",
+            source=self.steps_source,
+            color=COLORS["free"],
+            size=5,
+        )
+        preempt = fig.scatter(
+            "step",
+            "y",
+            source=self.preempt_source,
+            marker="inverted_triangle",
+            size=14,
+            color=COLORS["preempt"],
+            legend_label="preemption",
+        )
+        hits = fig.scatter(
+            "step",
+            "y",
+            source=self.hit_source,
+            marker="star",
+            size=15,
+            color=COLORS["prefix"],
+            legend_label="prefix-cache hit",
+        )
+        fig.add_tools(
+            HoverTool(
+                renderers=[*bars, line],
+                tooltips=[
+                    ("step", "@step"),
+                    ("decode", "@decode"),
+                    ("prefill", "@prefill"),
+                    ("free blocks", "@free"),
+                ],
+            )
+        )
+        fig.add_tools(HoverTool(renderers=[preempt, hits], tooltips=[("", "@label")]))
+        outside_legend(fig)
+        return fig, budget_line
+
+    def _layout(self) -> pn.viewable.Viewable:
+        controls = pn.Column(
+            pn.pane.HTML("<b>Presets</b>"),
+            pn.FlexBox(*self.presets),
+            pn.pane.HTML("<b>The walkthrough's three sliders</b> (and the step's settings)"),
+            self.running,
+            self.prompt_len,
+            self.free_blocks,
+            pn.Row(self.budget, self.block_size, self.max_num_seqs),
+            sizing_mode="stretch_width",
+        )
+        intro = pn.pane.Markdown(
+            "The seed's section 03 asks: with this many running decodes, does a waiting prompt "
+            "get into the next step? Every number below comes from one real `schedule()` of "
+            "stepscope's `Scheduler` and `KVCacheManager`, set up in that state (each decode part "
+            "way through a block, prefix caching off).",
+            sizing_mode="stretch_width",
+        )
+        one_step = pn.Column(
+            intro,
+            pn.Row(
+                controls,
+                pn.Column(
+                    self.readouts, self.budget_fig, self.blocks_fig, sizing_mode="stretch_width"
+                ),
+                sizing_mode="stretch_width",
+            ),
+            sizing_mode="stretch_width",
+        )
+        many = pn.Column(
+            pn.pane.Markdown(
+                "### What one step cannot show\n"
+                "The same state run for many real steps (`schedule()` then "
+                "`update_from_output()` with stand-in sampled tokens): the prompt `p0` is "
+                "prefilled in chunks, decodes cross into new blocks, a second request `p1` with "
+                "the same prompt hits the prefix cache, and when the pool runs dry the "
+                "last-admitted request is preempted and recomputed later.",
+                sizing_mode="stretch_width",
+            ),
+            pn.Row(
+                self.num_steps,
+                self.output_len,
+                pn.Column(pn.Spacer(height=22), self.repeat),
+                self.repeat_at,
+                pn.Column(pn.Spacer(height=22), self.prefix_caching),
+            ),
+            self.error,
+            self.steps_fig,
+            self.story,
+            self.steps_table,
+            sizing_mode="stretch_width",
+        )
+        return pn.Column(one_step, pn.layout.Divider(), many, sizing_mode="stretch_width")
+
+    # -- behaviour --
+    def apply_preset(self, name: str) -> None:
+        preset = PRESETS[name]
+        self._holding = True
+        try:
+            for key, widget in (
+                ("budget", self.budget),
+                ("block_size", self.block_size),
+                ("max_num_seqs", self.max_num_seqs),
+                ("running", self.running),
+                ("prompt_len", self.prompt_len),
+                ("free_blocks", self.free_blocks),
+                ("num_steps", self.num_steps),
+                ("output_len", self.output_len),
+                ("repeat_at", self.repeat_at),
+            ):
+                if key in preset:
+                    widget.value = preset[key]
+            if "repeat_at" in preset:
+                self.repeat.value = True
+        finally:
+            self._holding = False
+        self.update()
+
+    def _changed(self, *_: Any) -> None:
+        if not self._holding:
+            self.update()
+
+    def _settings(self) -> dict[str, int]:
+        return dict(
+            running=self.running.value,
+            prompt_len=self.prompt_len.value,
+            free_blocks=self.free_blocks.value,
+            budget=self.budget.value or 1,
+            block_size=max(self.block_size.value or 2, 2),
+            max_num_seqs=self.max_num_seqs.value or 1,
+        )
+
+    def update(self) -> None:
+        settings = self._settings()
+        try:
+            result = simulate_step(**settings)
+            steps = simulate_steps(
+                **settings,
+                num_steps=self.num_steps.value or 1,
+                output_len=self.output_len.value or 1,
+                repeat_prompt_at=self.repeat_at.value if self.repeat.value else None,
+                prefix_caching=self.prefix_caching.value,
+            )
+        except ValueError as error:
+            self.error.object = str(error)
+            self.error.visible = True
+            return
+        self.error.visible = False
+        self._show_step(result)
+        self._show_steps(steps, settings["budget"])
+
+    def _show_step(self, r: StepResult) -> None:
+        if r.admitted:
+            verdict, cls = "admitted", "ok"
+        elif r.prefill_budget == 0:
+            verdict, cls = "no budget left", "bad"
+        elif r.blocked_by_max_seqs:
+            verdict, cls = "blocked by max seqs", "bad"
+        else:
+            verdict, cls = f"short by {r.blocks_short} blocks", "bad"
+        chunks = "-" if r.num_chunks is None else str(r.num_chunks)
+        cmp = "≤" if r.first_chunk_blocks <= r.free_blocks else ">"
+        free_now = r.free_blocks  # decodes sit mid-block: they take none of these
+        formula = (
+            f'<div class="ss-formula">'
+            f"decode = min(running {r.running}, budget {r.budget}) = {r.decode_tokens}<br>"
+            f"prefill budget = {r.budget} − {r.decode_tokens} = {r.prefill_budget}<br>"
+            f"first chunk = min(prompt {r.prompt_len}, {r.prefill_budget}) = {r.first_chunk}"
+            f"; chunks = ⌈{r.prompt_len} / {r.prefill_budget}⌉ = {chunks}<br>"
+            f"blocks = ⌈{r.first_chunk} / {r.block_size}⌉ = {r.first_chunk_blocks} {cmp} "
+            f"{free_now} free; running {r.running} vs max_num_seqs {r.max_num_seqs} "
+            f"→ <b>{html.escape(r.verdict)}</b></div>"
+        )
+        self.readouts.object = cards(
+            [
+                ("decode_tokens", "decode tokens", str(r.decode_tokens)),
+                ("prefill_budget", "prefill budget", str(r.prefill_budget)),
+                ("first_chunk", "first chunk", str(r.first_chunk)),
+                ("num_chunks", "chunks", chunks),
+                ("first_chunk_blocks", "blocks for first chunk", str(r.first_chunk_blocks)),
+                ("verdict", "waiting request", verdict, cls),
+            ],
+            formula,
+        )
+        self.budget_source.data = dict(
+            row=["tokens"],
+            decode=[r.decode_tokens],
+            chunk=[r.first_chunk if r.admitted else 0],
+            refused=[0 if r.admitted else r.first_chunk],
+            unused=[max(r.budget - r.decode_tokens - r.first_chunk, 0)],
+        )
+        self.budget_fig.x_range.end = r.budget
+        bars = [
+            ("free", 0, r.free_blocks, COLORS["free"], "free"),
+            (
+                "needed",
+                0,
+                min(r.first_chunk_blocks, r.free_blocks),
+                COLORS["prefill"],
+                "needed, available",
+            ),
+        ]
+        if r.first_chunk_blocks > r.free_blocks:
+            bars.append(
+                ("needed", r.free_blocks, r.first_chunk_blocks, COLORS["short"], "needed, missing")
+            )
+        self.blocks_source.data = dict(
+            zip(
+                ("row", "left", "right", "color", "label"),
+                map(list, zip(*bars, strict=True)),
+                strict=True,
+            )
+        )
+        self.blocks_fig.x_range.end = max(r.free_blocks, r.first_chunk_blocks, 1) * 1.05
+
+    def _show_steps(self, steps: list[SimStep], budget: int) -> None:
+        top = budget * 1.08
+        self.steps_source.data = dict(
+            step=[s.step for s in steps],
+            decode=[s.decode_tokens for s in steps],
+            prefill=[s.prefill_tokens for s in steps],
+            free=[s.kv_free_after for s in steps],
+            top=[top] * len(steps),
+            preempted=[", ".join(s.preempted) for s in steps],
+            hits=[s.prefix_hit_tokens for s in steps],
+        )
+        pre = [s for s in steps if s.preempted]
+        self.preempt_source.data = dict(
+            step=[s.step for s in pre],
+            y=[top] * len(pre),
+            label=[f"step {s.step}: preempted {', '.join(s.preempted)}" for s in pre],
+        )
+        hit = [s for s in steps if s.prefix_hit_tokens]
+        self.hit_source.data = dict(
+            step=[s.step for s in hit],
+            y=[budget * 1.16] * len(hit),
+            label=[
+                f"step {s.step}: {s.prefix_hit_tokens} tokens from the prefix cache" for s in hit
+            ],
+        )
+        self.budget_line.location = budget
+        self.steps_fig.y_range.end = budget * 1.25
+        max_free = max([s.kv_free_before for s in steps] + [1])
+        self.steps_fig.extra_y_ranges["blocks"].end = max_free * 1.1
+        self.steps_table.value = pd.DataFrame(
+            {
+                "step": [s.step for s in steps],
+                "arrived": [", ".join(s.arrived) for s in steps],
+                "decode": [s.decode_tokens for s in steps],
+                "prefill": [s.prefill_tokens for s in steps],
+                "p0": [s.scheduled.get("p0", 0) for s in steps],
+                "p1": [s.scheduled.get("p1", 0) for s in steps],
+                "decodes → new block": [s.decodes_new_block for s in steps],
+                "free before": [s.kv_free_before for s in steps],
+                "free after": [s.kv_free_after for s in steps],
+                "prefix-hit tokens": [s.prefix_hit_tokens for s in steps],
+                "preempted": [", ".join(s.preempted) for s in steps],
+                "finished": [", ".join(s.finished) for s in steps],
+            }
+        )
+        self.story.object = _story(steps)
+
+
+def _story(steps: list[SimStep]) -> str:
+    """What happened to p0 and p1, in sentences."""
+    lines = []
+    for rid in ("p0", "p1"):
+        chunks = [(s.step, s.scheduled[rid]) for s in steps if s.scheduled.get(rid, 0) > 1]
+        if chunks:
+            parts = ", ".join(f"{t} (step {k})" for k, t in chunks)
+            lines.append(f"<b>{rid}</b> prefill chunks: {parts}")
+    crossings = [s.step for s in steps if s.decodes_new_block]
+    if crossings:
+        total = sum(s.decodes_new_block for s in steps)
+        lines.append(
+            f"decodes crossed into a new block {total} times (steps "
+            f"{', '.join(map(str, crossings[:12]))}{' …' if len(crossings) > 12 else ''})"
+        )
+    for s in steps:
+        if s.prefix_hit_tokens:
+            lines.append(
+                f"step {s.step}: {s.prefix_hit_tokens} prompt tokens found in the prefix "
+                "cache (not recomputed)"
+            )
+        if s.preempted:
+            lines.append(
+                f"step {s.step}: no free block for a running request: preempted "
+                f"<b>{', '.join(s.preempted)}</b> (blocks freed, back to waiting, "
+                "recomputed later)"
+            )
+        if s.finished:
+            lines.append(f"step {s.step}: finished {', '.join(s.finished)}")
+    if not lines:
+        return ""
+    return '<div class="ss-formula">' + "<br>".join(lines) + "</div>"
