@@ -146,10 +146,7 @@ class AsyncLLM:
 
     def _make_output(self, out: EngineCoreOutput, stream: _Stream) -> tuple[RequestOutput, bool]:
         m = stream.metrics
-        m.first_scheduled_time = out.events.get("scheduled", m.first_scheduled_time)
-        m.first_token_time = out.events.get("first_token", m.first_token_time)
-        m.num_cached_tokens = out.num_cached_tokens
-        m.num_preemptions = out.num_preemptions
+        m.update(out.events, out.num_cached_tokens, out.num_preemptions)
         stream.span.observe(out)
         finished = out.finish_reason is not None
         detok = stream.detokenizer

@@ -305,10 +305,7 @@ class LLM:
         if child.metrics is None:
             child.metrics = RequestMetrics(arrival_time=out.events.get("queued", 0.0))
         m = child.metrics
-        m.first_scheduled_time = out.events.get("scheduled", m.first_scheduled_time)
-        m.first_token_time = out.events.get("first_token", m.first_token_time)
-        m.num_cached_tokens = out.num_cached_tokens
-        m.num_preemptions = out.num_preemptions
+        m.update(out.events, out.num_cached_tokens, out.num_preemptions)
         child.span.observe(out)
         finished = out.finish_reason is not None
         stop = child.detokenizer.update(out.new_token_ids, finished)

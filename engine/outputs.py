@@ -16,6 +16,15 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
+    def update(
+        self, events: dict[str, float], num_cached_tokens: int, num_preemptions: int
+    ) -> None:
+        """Take in what one EngineCoreOutput says about the request's timeline."""
+        self.first_scheduled_time = events.get("scheduled", self.first_scheduled_time)
+        self.first_token_time = events.get("first_token", self.first_token_time)
+        self.num_cached_tokens = num_cached_tokens
+        self.num_preemptions = num_preemptions
+
     @property
     def queue_time(self) -> float | None:
         if self.first_scheduled_time is None:
