@@ -279,7 +279,7 @@ def test_openapi_describes_the_api_and_schemathesis_finds_no_5xx(server) -> None
 def test_waiting_queue_is_bounded_with_503_and_retry_after() -> None:
     s = Server("--model", MODEL, "--num-kv-blocks", "64", "--max-queued-requests", "2")
     try:
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": True}
 
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as c:
