@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup demo test bench lint format gpu-check gpu-check-dry
+.PHONY: setup demo test bench lint format lab gpu-check gpu-check-dry
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test: setup lint
 
 bench: setup
 	$(PY) -m stepscope.engine.cli bench offline
+
+# The tutorials in JupyterLab, on loopback.
+lab: setup
+	$(VENV)/bin/jupyter lab --ip 127.0.0.1 --no-browser --notebook-dir tutorials
 
 lint: setup
 	$(VENV)/bin/ruff format --check .
