@@ -31,7 +31,7 @@ bench: setup
 
 # The tutorials in JupyterLab, on loopback.
 lab: setup
-	$(VENV)/bin/jupyter lab --ip 127.0.0.1 --no-browser --notebook-dir tutorials
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=tutorials --no-browser --allow-root
 
 lint: setup
 	$(VENV)/bin/ruff format --check .

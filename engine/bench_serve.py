@@ -347,6 +347,9 @@ def bench_serve(args: argparse.Namespace) -> None:
         async with httpx.AsyncClient(base_url=args.url.rstrip("/"), headers=headers) as client:
             return await served_model(client)
 
+    for low, high in ((args.min_prompt, args.max_prompt), (args.min_output, args.max_output)):
+        if not 1 <= low <= high:
+            raise ValueError(f"length ranges must satisfy 1 <= min <= max, got {low}-{high}")
     model = args.model or asyncio.run(name())
     vocab_size = load_config(resolve_model(model))["vocab_size"]
     workload = make_workload(

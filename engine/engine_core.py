@@ -51,6 +51,12 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len_for(config, model_dir)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill every prompt must fit in one step: "
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}); raise the budget or lower max_model_len"
+            )
         self.executor = executor or make_executor(config, model_dir)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         self.executor.init_kv_cache(self.num_kv_blocks)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.core_client import InprocClient, SyncMPClient

@@ -52,6 +52,15 @@ def test_open_loop_poisson_arrivals_stream_every_requested_token(server, workloa
     assert_sane(res, workload)
 
 
+def test_replayed_workload_reports_prefix_cache_hits(server, vocab) -> None:
+    workload = make_workload(4, (40, 64), (2, 2), vocab, seed=3)
+    first = run_bench_serve(server.url, workload, concurrency=4)
+    again = run_bench_serve(server.url, workload, concurrency=4)
+    assert first.prefix_cache_queries is not None and first.prefix_cache_hits == 0
+    assert again.prefix_cache_hits >= 4 * 32  # at least the first two full blocks of each
+    assert "Prefix cache hits" in format_result(again)
+
+
 def test_failed_request_is_counted_not_raised(server, vocab) -> None:
     good = make_workload(2, (8, 16), (4, 4), vocab, seed=2)
     bad_prompt = [vocab + 5] * 8  # out of the vocabulary: HTTP 400

@@ -204,3 +204,9 @@ def test_triton_backend_gives_the_same_greedy_tokens_as_torch(block_size: int) -
         outs = llm.generate(prompts, greedy(10), use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_without_chunked_prefill_a_budget_below_the_context_is_refused() -> None:
+    with pytest.raises(ValueError, match="every prompt must fit in one step"):
+        LLM(model="tiny-llama", num_kv_blocks=16, enable_chunked_prefill=False,
+            max_num_batched_tokens=64)  # fmt: skip
