@@ -45,6 +45,12 @@ def _bench_offline(args: argparse.Namespace) -> None:
     bench_offline(args)
 
 
+def _bench_serve(args: argparse.Namespace) -> None:
+    from stepscope.engine.bench_serve import bench_serve
+
+    bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stepscope", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +148,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="off, on (spans into a DuckDB file), or 'off,on' to compare them in one run",
     )
     p.set_defaults(func=_bench_offline)
+
+    p = bench_sub.add_parser("serve", help="the same workload, streamed to a running server")
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop: C clients")
+    load.add_argument(
+        "--request-rate", type=float, default=None, help="open loop: Poisson arrivals, req/s"
+    )
+    p.add_argument("--model", default=None, help="default: the model the server lists")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=768)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compare-offline",
+        action="store_true",
+        help="then run the workload through LLM(...) here and print server / offline tok/s",
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="offline engine")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="offline engine")
+    p.set_defaults(func=_bench_serve, executor="uni", tracing="off")
     return parser
 
 
