@@ -186,8 +186,11 @@ def bench_offline(args: argparse.Namespace) -> None:
                 f"stepscope ({label}): {elapsed:8.1f} s  {results[label]:7.1f} output tok/s  "
                 f"MFU {mfu:.0%}"
             )
-    if "uni" in results and "mp" in results:
-        print(f"ratio mp / uni: {results['mp'] / results['uni']:.3f}x")
+    for tracing in args.tracing.split(","):
+        suffix = "" if args.tracing == "off" else f", tracing {tracing}"
+        uni, mp = results.get(f"uni{suffix}"), results.get(f"mp{suffix}")
+        if uni and mp:
+            print(f"ratio mp / uni{suffix}: {mp / uni:.3f}x")
     for executor in args.executor.split(","):
         on, off = results.get(f"{executor}, tracing on"), results.get(f"{executor}, tracing off")
         if on and off:
