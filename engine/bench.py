@@ -35,6 +35,9 @@ def make_workload(
     seed: int,
 ) -> Workload:
     """Random token prompts and output lengths, uniform in the given ranges, from one seed."""
+    for name, (low, high) in (("prompt", prompt_range), ("output", output_range)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} lengths need 1 <= min <= max, got {low}-{high}")
     rng = random.Random(seed)
     prompts = [
         [rng.randrange(100, vocab_size) for _ in range(rng.randint(*prompt_range))]
