@@ -302,7 +302,9 @@ PARENT_SCRIPT = textwrap.dedent(
         print(" ".join(str(pid) for _, _, pid in executor.processes()), flush=True)
         if sys.argv[1] == "wait":
             time.sleep(120)
-        # "exit": leave without shutdown(); the interpreter-exit hook must stop the workers
+        # "exit": once the test has seen the workers alive, leave without shutdown(); the
+        # interpreter-exit hook must stop the workers
+        sys.stdin.readline()
     """
 )
 
@@ -313,7 +315,10 @@ def test_workers_do_not_outlive_the_engine_process(tmp_path: Path, how: str) -> 
     script.write_text(PARENT_SCRIPT)
     mode = "exit" if how == "exit" else "wait"
     parent = subprocess.Popen(
-        [sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(script), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         socket_dir = Path(parent.stdout.readline().strip())
@@ -321,6 +326,9 @@ def test_workers_do_not_outlive_the_engine_process(tmp_path: Path, how: str) -> 
         assert len(pids) == 2 and all(alive(p) for p in pids)
         if how == "sigkill":
             parent.kill()
+        else:
+            parent.stdin.write("go\n")
+            parent.stdin.flush()
         parent.wait(timeout=30)
         assert wait_gone(pids, timeout=5.0) == []
         assert not socket_dir.exists()
