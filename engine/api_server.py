@@ -262,22 +262,18 @@ def _tokenize(s: ServerState, prompt: str | list[int]) -> list[int]:
 
 
 def _check_length(s: ServerState, ids: list[int], params: SamplingParams) -> None:
+    try:
+        s.engine.processor.validate_prompt(ids)
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from e
+    # The server refuses what it cannot finish; offline `LLM` stops at the context instead.
     limit = s.engine.max_model_len
-    if not ids:
-        raise bad_request("the prompt is empty", "prompt")
-    if len(ids) >= limit:
-        raise bad_request(
-            f"the prompt has {len(ids)} tokens, but this model's context is {limit} tokens",
-            "prompt",
-        )
     if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
         raise bad_request(
             f"max_tokens ({params.max_tokens}) plus the prompt ({len(ids)} "
             f"tokens) exceeds the context of {limit} tokens",
             "max_tokens",
         )
-    if any(t < 0 or t >= s.engine.processor.vocab_size for t in ids):
-        raise bad_request("prompt token ids out of the vocabulary", "prompt")
 
 
 async def _serve(

@@ -41,6 +41,18 @@ class InputProcessor:
     def process(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> EngineCoreRequest:
+        self.validate_prompt(prompt_token_ids)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time(),
+        )
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError unless the prompt is non-empty, in the vocabulary and shorter than
+        the context."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
@@ -50,10 +62,3 @@ class InputProcessor:
                 f"the prompt has {len(prompt_token_ids)} tokens, but the model's context is "
                 f"{self.max_model_len} tokens and at least one must be left to generate"
             )
-        return EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=params,
-            eos_token_id=self.eos_token_id,
-            arrival_time=time.time(),
-        )
