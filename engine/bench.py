@@ -175,19 +175,41 @@ def bench_offline(args: argparse.Namespace) -> None:
     peak = matmul_peak_gflops()
     print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 float32)")
     flops = model_flops(cfg, workload)
-    results = {}
+    repeat = getattr(args, "repeat", 1)
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    settings = args.tracing.split(",")
+    seconds: dict[str, list[float]] = {}
     for executor in args.executor.split(","):
-        for tracing in args.tracing.split(","):
-            trace_db = None
-            if tracing == "on":
-                trace_db = str(Path(tempfile.mkdtemp(prefix="stepscope-bench-")) / "trace.duckdb")
-            label = executor if args.tracing == "off" else f"{executor}, tracing {tracing}"
-            elapsed = run_stepscope(args.model, workload, args, executor, trace_db)
-            results[label] = workload.num_output_tokens / elapsed
-            mfu = flops / elapsed / 1e9 / peak
+        # With repeats the tracing order alternates (off,on then on,off ...), so that a machine
+        # that speeds up or slows down during the run favours neither side.
+        for rep in range(repeat):
+            for tracing in settings if rep % 2 == 0 else settings[::-1]:
+                trace_db = None
+                if tracing == "on":
+                    folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-"))
+                    trace_db = str(folder / "trace.duckdb")
+                label = executor if args.tracing == "off" else f"{executor}, tracing {tracing}"
+                elapsed = run_stepscope(args.model, workload, args, executor, trace_db)
+                seconds.setdefault(label, []).append(elapsed)
+                mfu = flops / elapsed / 1e9 / peak
+                run = f" run {rep + 1}" if repeat > 1 else ""
+                print(
+                    f"stepscope ({label}){run}: {elapsed:8.1f} s  "
+                    f"{workload.num_output_tokens / elapsed:7.1f} output tok/s  MFU {mfu:.0%}",
+                    flush=True,
+                )
+    # Throughput of a setting over all its runs: every token it generated over all its time.
+    results = {
+        label: workload.num_output_tokens * len(times) / sum(times)
+        for label, times in seconds.items()
+    }
+    if repeat > 1:
+        for label, rate in results.items():
+            spread = [workload.num_output_tokens / t for t in seconds[label]]
             print(
-                f"stepscope ({label}): {elapsed:8.1f} s  {results[label]:7.1f} output tok/s  "
-                f"MFU {mfu:.0%}"
+                f"stepscope ({label}) over {repeat} runs: {rate:7.1f} output tok/s "
+                f"(runs {min(spread):.1f}-{max(spread):.1f})"
             )
     for tracing in args.tracing.split(","):
         suffix = "" if args.tracing == "off" else f", tracing {tracing}"

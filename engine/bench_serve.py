@@ -14,8 +14,10 @@ import json
 import os
 import platform
 import random
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -339,18 +341,49 @@ def format_result(res: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def bench_serve(args: argparse.Namespace) -> None:
-    from stepscope.engine.models.loader import load_config, resolve_model
+TRACING_SETTINGS = {
+    "off": ["--no-trace"],  # no collector, no spans at all
+    "requests": ["--trace-steps", "off"],  # request spans only
+    "on": ["--trace-steps", "all"],  # every step, worker step and crossing
+}
 
-    async def name() -> str:
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        async with httpx.AsyncClient(base_url=args.url.rstrip("/"), headers=headers) as client:
-            return await served_model(client)
 
+def _check_args(args: argparse.Namespace) -> list[str]:
     for low, high in ((args.min_prompt, args.max_prompt), (args.min_output, args.max_output)):
         if not 1 <= low <= high:
             raise ValueError(f"length ranges must satisfy 1 <= min <= max, got {low}-{high}")
-    model = args.model or asyncio.run(name())
+    if (args.url is None) == (args.tracing is None):
+        raise ValueError("give either --url (a running server) or --tracing (servers started here)")
+    if args.tracing is None:
+        return []
+    settings = [t.strip() for t in args.tracing.split(",")]
+    unknown = [t for t in settings if t not in TRACING_SETTINGS]
+    if unknown or len(set(settings)) != len(settings):
+        raise ValueError(
+            f"--tracing takes distinct values among {', '.join(TRACING_SETTINGS)}, "
+            f"got {args.tracing!r}"
+        )
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    return settings
+
+
+def bench_serve(args: argparse.Namespace) -> None:
+    from stepscope.engine.models.loader import load_config, resolve_model
+
+    settings = _check_args(args)
+    if settings:
+        from stepscope.engine.models.loader import DEFAULT_MODEL
+
+        model = args.model or DEFAULT_MODEL
+    else:
+
+        async def name() -> str:
+            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            async with httpx.AsyncClient(base_url=args.url.rstrip("/"), headers=headers) as client:
+                return await served_model(client)
+
+        model = args.model or asyncio.run(name())
     vocab_size = load_config(resolve_model(model))["vocab_size"]
     workload = make_workload(
         args.num_requests,
@@ -360,27 +393,23 @@ def bench_serve(args: argparse.Namespace) -> None:
         args.seed,
     )
     n_prompt = sum(len(p) for p in workload.prompts)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cpus; server {args.url}, model {model}")
+    where = f"server {args.url}" if args.url else f"servers started here, tracing {args.tracing}"
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cpus; {where}, model {model}")
     print(
         f"workload: {args.num_requests} requests (seed {args.seed}), prompts "
         f"{args.min_prompt}-{args.max_prompt} tokens ({n_prompt} in all), outputs "
         f"{args.min_output}-{args.max_output} ({workload.num_output_tokens} in all), greedy, "
         "ignore_eos, streamed"
     )
-    res = run_bench_serve(
-        args.url, workload, args.concurrency, args.request_rate, args.api_key, model, args.seed
-    )
-    print(format_result(res))
-    if res.completed and res.total_output_tokens != workload.num_output_tokens:
-        print(
-            f"note: {res.total_output_tokens} tokens generated, the workload asks for "
-            f"{workload.num_output_tokens}"
+    if settings:
+        results = compare_tracing(model, workload, settings, args)
+        res = results[settings[0]][0]
+    else:
+        res = run_bench_serve(
+            args.url, workload, args.concurrency, args.request_rate, args.api_key, model, args.seed
         )
-    if res.prefix_cache_hits:
-        print(
-            "note: the server's prefix cache skipped the prefill of "
-            f"{res.prefix_cache_hits} prompt tokens; another --seed gives prompts it has not seen"
-        )
+        print(format_result(res))
+        _notes(res, workload)
     if not args.compare_offline:
         return
     # Only now, with the server idle, so that the two never share the cores.
@@ -393,3 +422,91 @@ def bench_serve(args: argparse.Namespace) -> None:
     print(f"{'Offline output token throughput (tok/s):':<40} {offline:<10.2f}")
     print(f"{'Ratio server / offline output tok/s:':<40} {res.output_throughput / offline:.3f}x")
     print("=" * 50)
+
+
+def _notes(res: BenchResult, workload: Workload) -> None:
+    if res.completed and res.total_output_tokens != workload.num_output_tokens:
+        print(
+            f"note: {res.total_output_tokens} tokens generated, the workload asks for "
+            f"{workload.num_output_tokens}"
+        )
+    if res.prefix_cache_hits:
+        print(
+            "note: the server's prefix cache skipped the prefill of "
+            f"{res.prefix_cache_hits} prompt tokens; another --seed gives prompts it has not seen"
+        )
+
+
+def _server_args(args: argparse.Namespace, model: str, setting: str, trace_db: Path) -> list[str]:
+    out = ["--model", model, "--tp", str(args.tp), *TRACING_SETTINGS[setting]]
+    if setting != "off":
+        out += ["--trace-db", str(trace_db)]
+    for flag, value in (
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--max-num-seqs", args.max_num_seqs),
+    ):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _count_spans(trace_db: Path) -> int:
+    import duckdb
+
+    with duckdb.connect(str(trace_db), read_only=True) as con:
+        return con.execute("SELECT count(*) FROM spans").fetchone()[0]
+
+
+def compare_tracing(
+    model: str, workload: Workload, settings: list[str], args: argparse.Namespace
+) -> dict[str, list[BenchResult]]:
+    """One fresh `stepscope serve` per tracing setting, the workload against each in turn.
+
+    With `--repeat N` the order alternates (off,on then on,off ...), so that a machine that
+    warms up or slows down over the run favours neither side. Prints each run, then each
+    setting's output tok/s over all its runs and its ratio to the first setting.
+    """
+    from stepscope.engine.serve import ServerProcess
+
+    results: dict[str, list[BenchResult]] = {s: [] for s in settings}
+    folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-serve-"))
+    for rep in range(args.repeat):
+        for setting in settings if rep % 2 == 0 else settings[::-1]:
+            trace_db = folder / f"{setting}-{rep}.duckdb"
+            server = ServerProcess(*_server_args(args, model, setting, trace_db))
+            try:
+                res = run_bench_serve(
+                    server.url,
+                    workload,
+                    args.concurrency,
+                    args.request_rate,
+                    None,
+                    model,
+                    args.seed,
+                )
+            finally:
+                server.stop()
+            results[setting].append(res)
+            spans = ""
+            if setting != "off":
+                spans = f", {_count_spans(trace_db)} spans in its trace file"
+            print(
+                f"tracing {setting:<8} run {rep + 1}: {res.duration_s:7.1f} s  "
+                f"{res.output_throughput:6.1f} output tok/s  TTFT p50 {res.ttft.median_ms:7.0f} ms"
+                f"  TPOT p50 {res.tpot.median_ms:5.0f} ms  failed {res.failed}{spans}",
+                flush=True,
+            )
+            _notes(res, workload)
+    print(format_result(results[settings[0]][0]))
+    base = settings[0]
+
+    def tok_s(setting: str) -> float:
+        runs = results[setting]
+        return sum(r.total_output_tokens for r in runs) / sum(r.duration_s for r in runs)
+
+    for setting in settings:
+        line = f"tracing {setting}: {tok_s(setting):.1f} output tok/s over {args.repeat} run(s)"
+        if setting != base:
+            line += f"; ratio tracing {setting} / {base}: {tok_s(setting) / tok_s(base):.3f}x"
+        print(line)
+    return results

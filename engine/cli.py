@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also serve the live dashboard on this port (from the collector)",
     )
+    p.add_argument(
+        "--no-trace",
+        action="store_true",
+        help="record no spans at all: no collector, no trace file (for benchmarks)",
+    )
     p.set_defaults(func=_serve, collector_extensions=())
 
     trace = sub.add_parser("trace", help="read a finished run's trace file")
@@ -138,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per setting; with --tracing off,on the order alternates run by run",
+    )
+    p.add_argument(
         "--executor",
         default="uni",
         help="uni, mp, or both as 'uni,mp' to compare them side by side in one run",
@@ -150,7 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench_offline)
 
     p = bench_sub.add_parser("serve", help="the same workload, streamed to a running server")
-    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", default=None, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--tracing",
+        default=None,
+        help="instead of --url: start a server per setting (off, requests, on; e.g. off,on), "
+        "run the workload against each in turn and print their throughput ratio",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="with --tracing: runs per setting")
+    p.add_argument("--tp", type=int, default=1, help="with --tracing: tensor-parallel size")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: C clients")
     load.add_argument(
@@ -171,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="offline engine")
     p.add_argument("--max-num-seqs", type=int, default=None, help="offline engine")
-    p.set_defaults(func=_bench_serve, executor="uni", tracing="off")
+    p.set_defaults(func=_bench_serve, executor="uni")
     return parser
 
 

@@ -8,13 +8,12 @@ where to look next: the dashboard, /metrics and the trace file.
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from stepscope.engine.serve import ServerProcess
 
 SAMPLE_CHATS = [
     "What is the capital of France?",
@@ -24,20 +23,6 @@ SAMPLE_CHATS = [
     "Translate 'good morning' into Spanish and German.",
     "Why is the sky blue? Answer briefly.",
 ]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"stepscope serve exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("stepscope serve did not become healthy")
 
 
 async def _workload(url: str, model: str) -> None:
@@ -74,13 +59,11 @@ async def _workload(url: str, model: str) -> None:
 def run_demo(model: str, port: int = 8000, dashboard_port: int = 5006, wait: bool = True) -> None:
     trace_db = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.duckdb"
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "stepscope.engine.cli", "serve", "--model", model,
-           "--port", str(port), "--trace-db", str(trace_db),
-           "--dashboard-port", str(dashboard_port)]  # fmt: skip
-    print(f"starting: {' '.join(cmd[2:])}", flush=True)
-    server = subprocess.Popen(cmd)
+    args = ["--model", model, "--trace-db", str(trace_db),
+            "--dashboard-port", str(dashboard_port)]  # fmt: skip
+    print(f"starting: stepscope serve --port {port} {' '.join(args)}", flush=True)
+    server = ServerProcess(*args, port=port)
     try:
-        _wait_healthy(url, server)
         asyncio.run(_workload(url, model))
         metrics = httpx.get(f"{url}/metrics").text
         wanted = ("stepscope:generation_tokens_total", "stepscope:prefix_cache_hits_total",
@@ -98,9 +81,4 @@ def run_demo(model: str, port: int = 8000, dashboard_port: int = 5006, wait: boo
     except KeyboardInterrupt:
         pass
     finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+        server.stop()

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import httpx
 import uvicorn
 
 from stepscope.engine.api_server import build_app
@@ -21,8 +26,13 @@ def default_trace_db() -> Path:
 
 
 def serve(args: argparse.Namespace) -> None:
+    tracing = not args.no_trace
+    if not tracing and (args.trace_db or args.otlp_endpoint or args.dashboard_port is not None):
+        raise ValueError(
+            "--no-trace records nothing: drop --trace-db, --otlp-endpoint and "
+            "--dashboard-port, or drop --no-trace"
+        )
     trace_db = Path(args.trace_db) if args.trace_db else default_trace_db()
-    trace_db.parent.mkdir(parents=True, exist_ok=True)
     engine_args = dict(
         device=args.device,
         dtype=args.dtype,
@@ -44,6 +54,10 @@ def serve(args: argparse.Namespace) -> None:
     from stepscope.engine.config import EngineConfig
 
     EngineConfig(model=args.model, offline=False, **engine_args)
+    if not tracing:
+        _run(args, engine_args, name)
+        return
+    trace_db.parent.mkdir(parents=True, exist_ok=True)
     # The collector owns the trace file while we run; every process sends it spans over OTLP.
     extensions = list(args.collector_extensions)
     if args.dashboard_port is not None:
@@ -58,20 +72,11 @@ def serve(args: argparse.Namespace) -> None:
         otlp_endpoint=args.otlp_endpoint,
         trace_steps=args.trace_steps,
     )
-    app = build_app(
-        lambda: AsyncLLM(args.model, **engine_args),
-        model_name=name,
-        api_key=args.api_key,
-        max_queued_requests=args.max_queued_requests,
-    )
-    print(f"stepscope: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     print(f"stepscope: traces -> {trace_db} (collector {collector_url})", flush=True)
     if args.dashboard_port is not None:
         print(f"stepscope: dashboard on http://127.0.0.1:{args.dashboard_port}", flush=True)
     try:
-        uvicorn.run(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
-        )
+        _run(args, engine_args, name)
     finally:
         try:
             dropped = shutdown_tracing()
@@ -79,3 +84,69 @@ def serve(args: argparse.Namespace) -> None:
             stop_collector_process(collector)
         note = f", {dropped} spans dropped in the API process" if dropped else ""
         print(f"stepscope: trace saved to {trace_db}{note}", flush=True)
+
+
+def _run(args: argparse.Namespace, engine_args: dict, name: str) -> None:
+    """Serve the OpenAI API until SIGINT/SIGTERM."""
+    app = build_app(
+        lambda: AsyncLLM(args.model, **engine_args),
+        model_name=name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+    )
+    note = "" if not args.no_trace else " (--no-trace: no spans recorded)"
+    print(f"stepscope: serving {name} on http://{args.host}:{args.port}/v1{note}", flush=True)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`stepscope serve ARGS` in a child process on loopback, waited for until /health answers.
+
+    Used by `make demo` and by `stepscope bench serve --tracing`, which starts one server per
+    tracing setting. `stop()` sends SIGINT, as Ctrl-C would: the server flushes its trace.
+    """
+
+    def __init__(self, *serve_args: str, port: int | None = None, timeout: float = 600) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "stepscope.engine.cli", "serve",
+                    "--port", str(self.port), *serve_args]  # fmt: skip
+        self.proc = subprocess.Popen(self.cmd)
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stepscope serve exited with code {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"stepscope serve did not answer /health within {timeout:.0f} s")
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 
 from stepscope.engine.bench import Workload, make_workload
@@ -79,3 +83,51 @@ def test_both_load_modes_at_once_is_a_value_error() -> None:
 
 def test_latency_stats_of_nothing_are_zero() -> None:
     assert LatencyStats.of([]) == LatencyStats(0.0, 0.0, 0.0)
+
+
+def _bench_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "stepscope.engine.cli", "bench", "serve", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_tracing_off_and_on_side_by_side_in_one_run(tmp_path) -> None:
+    """`--tracing off,on` starts a server per setting, replays the workload on each (twice,
+    in alternating order), and prints the ratio; the traced server's file holds its spans."""
+    out = _bench_cli(
+        "--tracing", "off,on", "--repeat", "2", "--model", "tiny-llama",
+        "--num-requests", "6", "--min-prompt", "8", "--max-prompt", "40",
+        "--min-output", "4", "--max-output", "12", "--concurrency", "3",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = re.findall(r"tracing (off|on)\s+run (\d): .* failed (\d+)(.*)", out.stdout)
+    assert [(s, r) for s, r, _, _ in runs] == [("off", "1"), ("on", "1"), ("on", "2"), ("off", "2")]
+    assert all(failed == "0" for _, _, failed, _ in runs)
+    for setting, _, _, tail in runs:
+        spans = re.search(r"(\d+) spans in its trace file", tail)
+        assert (spans is not None) == (setting == "on")
+        if spans:  # 6 requests, their steps, crossings and worker steps
+            assert int(spans.group(1)) > 6 * 4
+    ratio = re.search(r"ratio tracing on / off: (\d+\.\d+)x", out.stdout)
+    assert ratio is not None and float(ratio.group(1)) > 0, out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tracing", "off,on", "--url", "http://127.0.0.1:1"], "either --url"),
+        ([], "either --url"),
+        (["--tracing", "off,loud"], "--tracing takes distinct values"),
+        (["--tracing", "on,on"], "--tracing takes distinct values"),
+        (["--tracing", "off,on", "--repeat", "0"], "--repeat must be at least 1"),
+    ],
+)
+def test_bad_bench_serve_arguments_are_clear_errors(args, message) -> None:
+    out = _bench_cli("--model", "tiny-llama", *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_no_trace_refuses_trace_options() -> None:
+    cmd = [sys.executable, "-m", "stepscope.engine.cli", "serve", "--model", "tiny-llama",
+           "--no-trace", "--trace-db", "x.duckdb"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--no-trace records nothing" in out.stderr, out.stderr

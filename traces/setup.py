@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 SPAN_LIMITS = SpanLimits(max_links=4096, max_events=1024, max_span_attributes=128)
 MAX_QUEUE_SIZE = 65_536  # spans buffered per exporter: seconds of engine steps at full speed
 MAX_EXPORT_BATCH_SIZE = 2048
-SCHEDULE_DELAY_MS = 200
+# Each export costs its sender and the collector a few ms whatever its size; OTel's default is 5 s,
+# the live dashboard wants spans within seconds.
+SCHEDULE_DELAY_MS = 2000
 WARNING_INTERVAL_S = 5.0  # lost spans are counted always, logged at most this often
 
 
