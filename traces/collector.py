@@ -57,6 +57,7 @@ QUEUE_FULL_WAIT_S = 5.0  # an export waits this long for room before it is told 
 # seconds: the writer gathers what arrives within this window into one INSERT (a flush or close
 # cuts the wait short), so tracing takes fewer cycles from the model on a small machine.
 INSERT_INTERVAL_S = 1.0
+COALESCE_ROWS = 4096  # a writer holding fewer spans than this waits INSERT_INTERVAL_S for more
 # The collector is bookkeeping: at this niceness it yields the cores to the engine's processes
 # and catches up in their gaps (its queue holds minutes of spans; nothing is dropped meanwhile).
 COLLECTOR_NICE = 10
@@ -205,28 +206,37 @@ class Collector:
     def _write_loop(self) -> None:
         stop = False
         while not stop:
+            batch = SpanBatch()
             item = self._queue.get()
             taken = 1
-            batch = SpanBatch()
             if item is None:
                 stop = True
             else:
                 batch.extend(item)
+            taken, stop = self._drain(batch, taken, stop)
+            if not stop and len(batch) < COALESCE_ROWS:
+                # A trickle (the engine exporting every few seconds): wait for more to arrive,
+                # so that one INSERT carries what several exports brought.
                 self._insert_now.wait(INSERT_INTERVAL_S)
-            self._insert_now.clear()
-            while len(batch) < MAX_INSERT_ROWS:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                taken += 1
-                if item is None:
-                    stop = True
-                else:
-                    batch.extend(item)
+                self._insert_now.clear()  # before draining: a later flush wakes the next wait
+                taken, stop = self._drain(batch, taken, stop)
             self._insert(batch)
             for _ in range(taken):
                 self._queue.task_done()
+
+    def _drain(self, batch: SpanBatch, taken: int, stop: bool) -> tuple[int, bool]:
+        """Add every batch already queued (up to MAX_INSERT_ROWS spans) to `batch`."""
+        while not stop and len(batch) < MAX_INSERT_ROWS:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            taken += 1
+            if item is None:
+                stop = True
+            else:
+                batch.extend(item)
+        return taken, stop
 
     def _insert(self, batch: SpanBatch) -> None:
         if not len(batch):
