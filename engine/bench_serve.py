@@ -3,6 +3,11 @@ server over streaming /v1/completions, from the client's side of stage 1 and sta
 request path. Closed loop (a fixed number of clients) or open loop (seeded Poisson arrivals).
 Prints the numbers `vllm bench serve` prints and, with --compare-offline, the ratio of the
 server's output throughput to the offline engine's on the same workload in the same run.
+
+With `--tracing off,on` (instead of `--url`) it starts a fresh `stepscope serve` for each tracing
+setting (`off` is `--no-trace`, `requests` is `--trace-steps off`, `on` traces every step), runs
+the workload against each in turn, `--repeat` times in alternating order, and prints the ratio of
+their output throughput: what tracing costs a server, measured side by side in one run.
 """
 
 from __future__ import annotations
