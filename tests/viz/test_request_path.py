@@ -48,7 +48,10 @@ def test_every_stage_is_measured_for_a_request(source):
     first = occ.groupby("stage")["start_ns"].min()
     assert first[1] <= first[2] <= first[4] <= first[5] <= first[6] <= first[8] <= first[10]
     assert occ["start_ns"].min() >= request["start_ns"]
-    assert occ["end_ns"].max() <= request["end_ns"]
+    # Only rank 0 replies: another rank may end its last forward after the request has finished.
+    caused = occ[(occ["stage"] != 6) | (occ["rank"] == 0)]
+    assert caused["end_ns"].max() <= request["end_ns"]
+    assert occ["start_ns"].max() <= request["end_ns"]
 
 
 def test_preempted_request_waits_again(source):
