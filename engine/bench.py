@@ -47,6 +47,19 @@ def make_workload(
     return Workload(prompts, outputs)
 
 
+def alternating(settings: list[str], repeat: int) -> list[tuple[int, str]]:
+    """(run, setting) pairs: `repeat` runs of each setting, the order reversed every other run
+    (off, on, on, off, ...), so that a machine that speeds up or slows down during a benchmark
+    favours no setting."""
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    return [
+        (run, setting)
+        for run in range(repeat)
+        for setting in (settings if run % 2 == 0 else settings[::-1])
+    ]
+
+
 def matmul_peak_gflops(dtype: torch.dtype = torch.float32, n: int = 2048, reps: int = 5) -> float:
     """Sustained GFLOP/s of one large square matmul: the roofline the engine is measured against."""
     a = torch.randn(n, n, dtype=dtype)
@@ -175,30 +188,25 @@ def bench_offline(args: argparse.Namespace) -> None:
     peak = matmul_peak_gflops()
     print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 float32)")
     flops = model_flops(cfg, workload)
-    repeat = getattr(args, "repeat", 1)
-    if repeat < 1:
-        raise ValueError(f"--repeat must be at least 1, got {repeat}")
-    settings = args.tracing.split(",")
+    repeat = args.repeat
+    runs = alternating(args.tracing.split(","), repeat)
     seconds: dict[str, list[float]] = {}
     for executor in args.executor.split(","):
-        # With repeats the tracing order alternates (off,on then on,off ...), so that a machine
-        # that speeds up or slows down during the run favours neither side.
-        for rep in range(repeat):
-            for tracing in settings if rep % 2 == 0 else settings[::-1]:
-                trace_db = None
-                if tracing == "on":
-                    folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-"))
-                    trace_db = str(folder / "trace.duckdb")
-                label = executor if args.tracing == "off" else f"{executor}, tracing {tracing}"
-                elapsed = run_stepscope(args.model, workload, args, executor, trace_db)
-                seconds.setdefault(label, []).append(elapsed)
-                mfu = flops / elapsed / 1e9 / peak
-                run = f" run {rep + 1}" if repeat > 1 else ""
-                print(
-                    f"stepscope ({label}){run}: {elapsed:8.1f} s  "
-                    f"{workload.num_output_tokens / elapsed:7.1f} output tok/s  MFU {mfu:.0%}",
-                    flush=True,
-                )
+        for rep, tracing in runs:
+            trace_db = None
+            if tracing == "on":
+                folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-"))
+                trace_db = str(folder / "trace.duckdb")
+            label = executor if args.tracing == "off" else f"{executor}, tracing {tracing}"
+            elapsed = run_stepscope(args.model, workload, args, executor, trace_db)
+            seconds.setdefault(label, []).append(elapsed)
+            mfu = flops / elapsed / 1e9 / peak
+            run = f" run {rep + 1}" if repeat > 1 else ""
+            print(
+                f"stepscope ({label}){run}: {elapsed:8.1f} s  "
+                f"{workload.num_output_tokens / elapsed:7.1f} output tok/s  MFU {mfu:.0%}",
+                flush=True,
+            )
     # Throughput of a setting over all its runs: every token it generated over all its time.
     results = {
         label: workload.num_output_tokens * len(times) / sum(times)

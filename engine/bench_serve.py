@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from stepscope.engine.bench import Workload, make_workload
+from stepscope.engine.bench import Workload, alternating, make_workload
 
 
 @dataclass(slots=True)
@@ -368,8 +368,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
             f"--tracing takes distinct values among {', '.join(TRACING_SETTINGS)}, "
             f"got {args.tracing!r}"
         )
-    if args.repeat < 1:
-        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    alternating(settings, args.repeat)  # checks --repeat before any server starts
     return settings
 
 
@@ -467,41 +466,39 @@ def compare_tracing(
 ) -> dict[str, list[BenchResult]]:
     """One fresh `stepscope serve` per tracing setting, the workload against each in turn.
 
-    With `--repeat N` the order alternates (off,on then on,off ...), so that a machine that
-    warms up or slows down over the run favours neither side. Prints each run, then each
+    With `--repeat N` the order alternates (`alternating`). Prints each run, then each
     setting's output tok/s over all its runs and its ratio to the first setting.
     """
     from stepscope.engine.serve import ServerProcess
 
     results: dict[str, list[BenchResult]] = {s: [] for s in settings}
     folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-serve-"))
-    for rep in range(args.repeat):
-        for setting in settings if rep % 2 == 0 else settings[::-1]:
-            trace_db = folder / f"{setting}-{rep}.duckdb"
-            server = ServerProcess(*_server_args(args, model, setting, trace_db))
-            try:
-                res = run_bench_serve(
-                    server.url,
-                    workload,
-                    args.concurrency,
-                    args.request_rate,
-                    None,
-                    model,
-                    args.seed,
-                )
-            finally:
-                server.stop()
-            results[setting].append(res)
-            spans = ""
-            if setting != "off":
-                spans = f", {_count_spans(trace_db)} spans in its trace file"
-            print(
-                f"tracing {setting:<8} run {rep + 1}: {res.duration_s:7.1f} s  "
-                f"{res.output_throughput:6.1f} output tok/s  TTFT p50 {res.ttft.median_ms:7.0f} ms"
-                f"  TPOT p50 {res.tpot.median_ms:5.0f} ms  failed {res.failed}{spans}",
-                flush=True,
+    for rep, setting in alternating(settings, args.repeat):
+        trace_db = folder / f"{setting}-{rep}.duckdb"
+        server = ServerProcess(*_server_args(args, model, setting, trace_db))
+        try:
+            res = run_bench_serve(
+                server.url,
+                workload,
+                args.concurrency,
+                args.request_rate,
+                None,
+                model,
+                args.seed,
             )
-            _notes(res, workload)
+        finally:
+            server.stop()
+        results[setting].append(res)
+        spans = ""
+        if setting != "off":
+            spans = f", {_count_spans(trace_db)} spans in its trace file"
+        print(
+            f"tracing {setting:<8} run {rep + 1}: {res.duration_s:7.1f} s  "
+            f"{res.output_throughput:6.1f} output tok/s  TTFT p50 {res.ttft.median_ms:7.0f} ms"
+            f"  TPOT p50 {res.tpot.median_ms:5.0f} ms  failed {res.failed}{spans}",
+            flush=True,
+        )
+        _notes(res, workload)
     print(format_result(results[settings[0]][0]))
     base = settings[0]
 

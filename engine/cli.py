@@ -51,6 +51,19 @@ def _bench_serve(args: argparse.Namespace) -> None:
     bench_serve(args)
 
 
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The benchmark workload (`bench.make_workload`) and the engine budget both benchmarks
+    share (for `bench serve`: the offline engine of --compare-offline and servers it starts)."""
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=768)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stepscope", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,15 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     p = bench_sub.add_parser("offline", help="stepscope vs transformers generate, one run")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--min-prompt", type=int, default=16)
-    p.add_argument("--max-prompt", type=int, default=768)
-    p.add_argument("--min-output", type=int, default=16)
-    p.add_argument("--max-output", type=int, default=192)
-    p.add_argument("--seed", type=int, default=0)
+    _add_workload_args(p)
     p.add_argument("--hf-batch-size", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument(
         "--repeat",
@@ -177,19 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="default: the model the server lists")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--min-prompt", type=int, default=16)
-    p.add_argument("--max-prompt", type=int, default=768)
-    p.add_argument("--min-output", type=int, default=16)
-    p.add_argument("--max-output", type=int, default=192)
-    p.add_argument("--seed", type=int, default=0)
+    _add_workload_args(p)
     p.add_argument(
         "--compare-offline",
         action="store_true",
         help="then run the workload through LLM(...) here and print server / offline tok/s",
     )
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="offline engine")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="offline engine")
     p.set_defaults(func=_bench_serve, executor="uni")
     return parser
 

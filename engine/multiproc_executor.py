@@ -84,7 +84,8 @@ PARENT_POLL_S = 0.5
 STOP_GRACE_S = 5.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -175,7 +176,7 @@ class MultiprocExecutor(Executor):
         spawn = multiprocessing.get_context("spawn")
         g = self._group
         config_bytes = msgspec.msgpack.encode(config)
-        dist_init = f"tcp://127.0.0.1:{_free_port()}"
+        dist_init = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(self.world_size):
             proc = spawn.Process(
                 target=_worker_main,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import uvicorn
 
 from stepscope.engine.api_server import build_app
 from stepscope.engine.async_llm import AsyncLLM
+from stepscope.engine.multiproc_executor import free_port
 from stepscope.traces import names
 from stepscope.traces.collector import start_collector_process, stop_collector_process
 from stepscope.traces.setup import init_process_tracing, shutdown_tracing
@@ -32,7 +32,6 @@ def serve(args: argparse.Namespace) -> None:
             "--no-trace records nothing: drop --trace-db, --otlp-endpoint and "
             "--dashboard-port, or drop --no-trace"
         )
-    trace_db = Path(args.trace_db) if args.trace_db else default_trace_db()
     engine_args = dict(
         device=args.device,
         dtype=args.dtype,
@@ -57,6 +56,7 @@ def serve(args: argparse.Namespace) -> None:
     if not tracing:
         _run(args, engine_args, name)
         return
+    trace_db = Path(args.trace_db) if args.trace_db else default_trace_db()
     trace_db.parent.mkdir(parents=True, exist_ok=True)
     # The collector owns the trace file while we run; every process sends it spans over OTLP.
     extensions = list(args.collector_extensions)
@@ -101,17 +101,13 @@ def _run(args: argparse.Namespace, engine_args: dict, name: str) -> None:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """`stepscope serve ARGS` in a child process on loopback, waited for until /health answers.
 
     Used by `make demo` and by `stepscope bench serve --tracing`, which starts one server per
-    tracing setting. `stop()` sends SIGINT, as Ctrl-C would: the server flushes its trace.
+    tracing setting. It runs in its own session; `stop()` sends SIGINT, as Ctrl-C would (the
+    server flushes its trace), and kills the whole group (engine core, workers, collector) if
+    that does not end it.
     """
 
     def __init__(self, *serve_args: str, port: int | None = None, timeout: float = 600) -> None:
@@ -119,7 +115,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "stepscope.engine.cli", "serve",
                     "--port", str(self.port), *serve_args]  # fmt: skip
-        self.proc = subprocess.Popen(self.cmd)
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True)
         try:
             self._wait_healthy(timeout)
         except BaseException:
@@ -148,5 +144,5 @@ class ServerProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()

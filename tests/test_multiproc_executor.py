@@ -171,11 +171,11 @@ def _rank_logits_child(rank: int, world_size: int, dist_init: str, queue) -> Non
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_every_rank_computes_identical_logits(tp: int) -> None:
-    from stepscope.engine.multiproc_executor import _free_port
+    from stepscope.engine.multiproc_executor import free_port
 
     spawn = multiprocessing.get_context("spawn")
     queue = spawn.Queue()
-    dist_init = f"tcp://127.0.0.1:{_free_port()}"
+    dist_init = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         spawn.Process(target=_rank_logits_child, args=(r, tp, dist_init, queue), daemon=True)
         for r in range(tp)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from stepscope.engine.multiproc_executor import free_port
 from stepscope.traces.store import TraceStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,12 +76,6 @@ def trace_db(tmp_path_factory) -> tuple[str, dict[str, Any]]:
     assert info["preemptions"] > 0 and info["prefix_hit_tokens"] > 0, info
     assert "preempted_request" in info, "a preemption must show on its request span"
     return str(path), info
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_http(url: str, timeout_s: float = 60.0, process: subprocess.Popen | None = None) -> None:
