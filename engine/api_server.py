@@ -266,14 +266,10 @@ def _check_length(s: ServerState, ids: list[int], params: SamplingParams) -> Non
         s.engine.processor.validate_prompt(ids)
     except ValueError as e:
         raise bad_request(str(e), "prompt") from e
-    # The server refuses what it cannot finish; offline `LLM` stops at the context instead.
-    limit = s.engine.max_model_len
-    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-        raise bad_request(
-            f"max_tokens ({params.max_tokens}) plus the prompt ({len(ids)} "
-            f"tokens) exceeds the context of {limit} tokens",
-            "max_tokens",
-        )
+    try:
+        s.engine.processor.validate_max_tokens(ids, params)
+    except ValueError as e:
+        raise bad_request(str(e), "max_tokens") from e
 
 
 async def _serve(

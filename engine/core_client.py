@@ -67,7 +67,14 @@ class InprocClient:
         self.core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.core.step()
+        outputs = self.core.step()
+        if not self.core.last_step_ran and self.core.has_unfinished_requests():
+            # In one process nothing else can free a block or a slot: waiting would be forever.
+            raise RuntimeError(
+                "the engine core cannot schedule any of its unfinished requests "
+                f"({self.core.scheduler.num_unfinished}); this is a bug in stepscope"
+            )
+        return outputs
 
     def call_utility(self, method: str, *args: Any) -> Any:
         if method == "processes":

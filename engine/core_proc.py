@@ -117,15 +117,20 @@ class EngineCoreProc:
 
     # ---- the busy loop ------------------------------------------------------------------------
     def run_busy_loop(self) -> None:
+        idle = True
         while self.running:
-            self._process_input_queue()
+            self._process_input_queue(idle)
+            idle = True
             if self.running and self.core.has_unfinished_requests():
                 outputs = self.core.step()
                 if outputs.outputs:
                     self.output_queue.put((OutputKind.OUTPUTS, outputs))
+                # A step that scheduled nothing cannot change until a message arrives: wait for
+                # one instead of spinning.
+                idle = not self.core.last_step_ran
 
-    def _process_input_queue(self) -> None:
-        block = not self.core.has_unfinished_requests()
+    def _process_input_queue(self, block: bool) -> None:
+        """Handle every queued message; with `block`, wait for the first one."""
         while True:
             try:
                 kind, msg = self.input_queue.get(block=block, timeout=0.5 if block else None)

@@ -6,6 +6,7 @@ core runs in its own process.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
@@ -23,7 +24,9 @@ from stepscope.engine.request import Request, RequestStatus
 from stepscope.engine.scheduler import Scheduler
 from stepscope.traces import names
 from stepscope.traces.setup import flush_tracing
-from stepscope.traces.spans import child_span, request_link, step_span
+from stepscope.traces.spans import child_span, ended_child_span, request_link, step_span
+
+logger = logging.getLogger(__name__)
 
 
 def make_executor(config: EngineConfig, model_dir: Path) -> Executor:
@@ -45,20 +48,50 @@ def max_model_len_for(config: EngineConfig, model_dir: Path) -> int:
     return config.max_model_len
 
 
+def fit_max_model_len(
+    model_len: int, num_kv_blocks: int, block_size: int, explicit: int | None
+) -> int:
+    """The longest request the KV pool can hold alone, as the engine's context length.
+
+    A request longer than the pool could never be admitted (or, grown there by decoding, never
+    re-admitted after preempting itself), and the busy loop would spin on it for good. As vLLM
+    does, a context the user asked for is refused; the model's own default is lowered to fit.
+    """
+    capacity = num_kv_blocks * block_size
+    if model_len <= capacity:
+        return model_len
+    if explicit is not None:
+        raise ValueError(
+            f"max_model_len {explicit} does not fit in the KV cache: {num_kv_blocks} blocks of "
+            f"{block_size} tokens hold {capacity} tokens; raise num_kv_blocks to at least "
+            f"{-(-explicit // block_size)} (--num-kv-blocks) or lower max_model_len to {capacity}"
+        )
+    logger.warning(
+        "the KV cache holds %d tokens (%d blocks of %d), fewer than the model's %d positions: "
+        "max_model_len lowered to %d (raise --num-kv-blocks for longer contexts)",
+        capacity, num_kv_blocks, block_size, model_len, capacity,
+    )  # fmt: skip
+    return capacity
+
+
 class EngineCore:
     def __init__(
         self, config: EngineConfig, model_dir: Path, executor: Executor | None = None
     ) -> None:
         self.config = config
-        self.max_model_len = max_model_len_for(config, model_dir)
+        model_len = max_model_len_for(config, model_dir)
+        self.executor = executor or make_executor(config, model_dir)
+        self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+        self.max_model_len = fit_max_model_len(
+            model_len, self.num_kv_blocks, config.block_size, explicit=config.max_model_len
+        )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            self.executor.shutdown()
             raise ValueError(
                 f"without chunked prefill every prompt must fit in one step: "
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}); raise the budget or lower max_model_len"
             )
-        self.executor = executor or make_executor(config, model_dir)
-        self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         self.executor.init_kv_cache(self.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
@@ -74,6 +107,7 @@ class EngineCore:
         self.request_links: dict[str, SpanContext] = {}
         # core -> worker -> core time per step, less the worker's own execute (mp executor only).
         self.crossing_seconds: deque[float] = deque(maxlen=10_000)
+        self.last_step_ran = False
         self.step_tokens = Histogram(
             "stepscope:tokens_per_step", "Tokens scheduled per step.", TOKENS_PER_STEP_BUCKETS
         )
@@ -102,9 +136,18 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        with step_span(step=self.scheduler.step_index) as span:
-            with child_span(names.SCHEDULE):
-                scheduler_output = self.scheduler.schedule()
+        """One step: schedule -> execute -> update. A step that schedules nothing does not
+        happen: no executor call, no span (`last_step_ran` says which it was)."""
+        t0 = time.time_ns()
+        scheduler_output = self.scheduler.schedule()
+        t1 = time.time_ns()
+        self.last_step_ran = bool(
+            scheduler_output.total_num_scheduled_tokens or scheduler_output.preempted_req_ids
+        )
+        if not self.last_step_ran:
+            return EngineCoreOutputs(outputs=[], timestamp=time.time())
+        with step_span(step=scheduler_output.step, start_ns=t0) as span:
+            ended_child_span(names.SCHEDULE, t0, t1)
             span.record(
                 self.scheduler.last_stats,
                 scheduler_output.num_scheduled_tokens,
@@ -113,10 +156,6 @@ class EngineCore:
             )
             if scheduler_output.total_num_scheduled_tokens:
                 self.step_tokens.observe(scheduler_output.total_num_scheduled_tokens)
-            if scheduler_output.total_num_scheduled_tokens == 0 and not (
-                scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
-            ):
-                return EngineCoreOutputs(outputs=[], timestamp=time.time())
             with child_span(names.EXECUTE):
                 runner_output = self.executor.execute_model(scheduler_output)
             crossing = getattr(self.executor, "last_crossing_seconds", None)

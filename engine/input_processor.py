@@ -42,6 +42,7 @@ class InputProcessor:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> EngineCoreRequest:
         self.validate_prompt(prompt_token_ids)
+        self.validate_max_tokens(prompt_token_ids, params)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -61,4 +62,16 @@ class InputProcessor:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but the model's context is "
                 f"{self.max_model_len} tokens and at least one must be left to generate"
+            )
+
+    def validate_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when the prompt plus `max_tokens` cannot fit in the context (which
+        the engine core has fitted to the KV cache): such a request could never finish."""
+        if params.max_tokens is None:
+            return  # generate until the context is full
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt_token_ids)} "
+                f"tokens) exceeds the context of {self.max_model_len} tokens; ask for at most "
+                f"{self.max_model_len - len(prompt_token_ids)} tokens"
             )

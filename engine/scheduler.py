@@ -67,6 +67,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if request.num_tokens >= self.max_model_len:
+            # Checked at the edge already; here it keeps the busy loop from holding a request
+            # it could never schedule.
+            raise ValueError(
+                f"the prompt has {request.num_tokens} tokens, but the context is "
+                f"{self.max_model_len} tokens"
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -166,6 +173,20 @@ class Scheduler:
                 num_decode += 1
             else:
                 num_prefill += n
+
+        if not num_scheduled and not preempted:
+            # Nothing to run: no step happens. Requests finished meanwhile (aborts) wait for the
+            # next real step to tell the workers, and the step index does not move.
+            return SchedulerOutput(
+                step=self.step_index,
+                scheduled_new_reqs=[],
+                scheduled_cached_reqs=CachedRequestData(req_ids=[], new_block_ids=[],
+                                                        num_computed_tokens=[]),
+                num_scheduled_tokens={},
+                total_num_scheduled_tokens=0,
+                finished_req_ids=[],
+                preempted_req_ids=[],
+            )  # fmt: skip
 
         output = SchedulerOutput(
             step=self.step_index,

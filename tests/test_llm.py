@@ -134,9 +134,31 @@ def test_prompt_longer_than_the_context_is_refused_and_loses_nothing() -> None:
     assert not small.engine_core.has_unfinished_requests()
     out = small.generate("hi", greedy(4), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
-    capped = small.generate("word " * 20, greedy(100), use_tqdm=False)[0]
+    # A max_tokens the context cannot hold is refused too, saying what would fit...
+    with pytest.raises(ValueError, match=r"exceeds the context of 32 tokens; ask for at most 11"):
+        small.generate("word " * 20, greedy(100), use_tqdm=False)
+    assert not small.engine_core.has_unfinished_requests()
+    # ...while max_tokens=None generates until the context is full.
+    capped = small.generate("word " * 20, greedy(None), use_tqdm=False)[0]
     total = len(capped.prompt_token_ids) + len(capped.outputs[0].token_ids)
     assert total == 32 and capped.outputs[0].finish_reason == "length"
+
+
+def test_a_kv_pool_smaller_than_the_context_lowers_max_model_len_or_is_refused() -> None:
+    # 4 blocks of 16 hold 64 tokens; tiny-llama's own context is 4096 positions.
+    llm = LLM(model="tiny-llama", num_kv_blocks=4, block_size=16)
+    assert llm.engine_core.max_model_len == 64
+    # The prompt that used to hang the engine for good is refused at the edge, at once...
+    with pytest.raises(ValueError, match="the model's context is 64 tokens"):
+        llm.generate([list(range(100, 300))], greedy(4), use_tqdm=False)
+    # ...and a request that decodes until the pool is full finishes instead of preempting
+    # itself forever.
+    out = llm.generate("hello", greedy(None), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    assert out.outputs[0].finish_reason == "length"
+    # A context asked for explicitly that the pool cannot hold fails start-up with the numbers.
+    with pytest.raises(ValueError, match=r"4 blocks of 16 tokens hold 64 tokens.*at least 7"):
+        LLM(model="tiny-llama", num_kv_blocks=4, block_size=16, max_model_len=100)
 
 
 @pytest.mark.parametrize(

@@ -421,6 +421,9 @@ def test_eos_stops_the_request_and_frees_its_blocks() -> None:
     assert request.output_token_ids == [5, EOS]
     assert scheduler.running == [] and "r" not in scheduler.requests
     assert scheduler.kv.num_free_blocks == 4
+    idle = scheduler.schedule()  # nothing to run: no step, and the news waits for one
+    assert (idle.total_num_scheduled_tokens, idle.finished_req_ids) == (0, [])
+    scheduler.add_request(make_request("next", tokens(3)))
     assert scheduler.schedule().finished_req_ids == ["r"]
     assert scheduler.schedule().finished_req_ids == []  # reported once
 
@@ -495,9 +498,11 @@ def test_abort_of_a_running_request_frees_blocks_and_is_reported_next_step() -> 
     assert request.finish_reason == "abort"
     assert scheduler.kv.num_free_blocks == 4
     assert not scheduler.has_unfinished_requests()
+    assert scheduler.schedule().finished_req_ids == []  # no step runs for an empty batch...
+    scheduler.add_request(make_request("next", tokens(2, 3000)))
     out = scheduler.schedule()
-    assert out.finished_req_ids == ["r"]
-    assert out.num_scheduled_tokens == {}
+    assert out.finished_req_ids == ["r"]  # ...so the workers hear of it in the next one
+    assert list(out.num_scheduled_tokens) == ["next"]
 
 
 def test_abort_of_a_waiting_request_takes_it_off_the_queue() -> None:

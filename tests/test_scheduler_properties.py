@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -140,8 +141,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         enable_chunked_prefill: bool,
     ) -> None:
         kv = KVCacheManager(num_blocks, block_size, enable_caching)
+        # As EngineCore sets it up: the context fits in the pool (and, unchunked, in one step).
+        max_model_len = min(MAX_MODEL_LEN, num_blocks * block_size)
+        if not enable_chunked_prefill:
+            max_model_len = min(max_model_len, budget)
         self.scheduler = Scheduler(
-            kv, budget, max_num_seqs, MAX_MODEL_LEN, enable_chunked_prefill=enable_chunked_prefill
+            kv, budget, max_num_seqs, max_model_len, enable_chunked_prefill=enable_chunked_prefill
         )
 
     @property
@@ -176,6 +181,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         request = Request(f"r{self.next_id}", prompt, params, EOS, self.sched.kv.block_size)
         self.next_id += 1
+        if len(prompt) >= self.sched.max_model_len:
+            with pytest.raises(ValueError, match="context"):
+                self.sched.add_request(request)
+            return
         self.sched.add_request(request)
 
     @rule(pick=st.integers(0, 1000))
@@ -200,6 +209,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def one_step(self, sampled: list[int], abort_mid_step: bool) -> None:
         needed = tokens_to_catch_up(self.sched)
         out = self.sched.schedule()
+        if not (out.num_scheduled_tokens or out.preempted_req_ids):
+            # Never a wedge: a schedule runs nothing only when no request is left, and then the
+            # finished requests wait for the next step that runs.
+            assert not self.sched.has_unfinished_requests()
+            assert out.finished_req_ids == []
+            return
         assert sorted(out.finished_req_ids) == sorted(self.unreported)
         self.unreported.clear()
         check_step(self.sched, out, needed)

@@ -45,6 +45,7 @@ __all__ = [
     "StepSpan",
     "TraceSampling",
     "child_span",
+    "ended_child_span",
     "extract_context",
     "inject_context",
     "receive_span",
@@ -364,6 +365,7 @@ def step_span(
     *,
     step: int | None = None,
     kv_total_blocks: int | None = None,
+    start_ns: int | None = None,
 ) -> StepSpan | _Noop:
     """`stepscope.engine_step`, the root of one step's trace, linked to the requests it served.
 
@@ -382,6 +384,7 @@ def step_span(
         context=Context(),
         kind=SpanKind.INTERNAL,
         attributes=None if step is None else {n.STEP: step},
+        start_time=start_ns,
     )
     scope = StepSpan(span)
     if stats is not None:
@@ -398,6 +401,15 @@ def child_span(name: str, attributes: Mapping[str, Any] | None = None) -> _Scope
     if state is None or not trace.get_current_span().is_recording():
         return NOOP
     return _Scope(state.tracer.start_span(name, attributes=attributes))
+
+
+def ended_child_span(name: str, start_ns: int, end_ns: int) -> None:
+    """A phase inside the current step that has already happened, timed by the caller (the
+    engine core schedules before it knows whether the step runs and so deserves a span)."""
+    state = _setup.state
+    if state is None or not trace.get_current_span().is_recording():
+        return
+    state.tracer.start_span(name, start_time=start_ns).end(end_time=end_ns)
 
 
 def traced(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
