@@ -31,6 +31,7 @@ from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    FieldError,
     error_body,
     new_id,
     now,
@@ -93,6 +94,7 @@ def build_app(
             engine.shutdown()
 
     app = FastAPI(title="stepscope", version=VERSION, lifespan=lifespan)
+    app.openapi = lambda: _openapi(app)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -108,9 +110,12 @@ def build_app(
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = first.get("msg", "invalid request")
+        cause = first.get("ctx", {}).get("error")
         if first.get("type") == "json_invalid":
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', message)}"
             loc = []
+        elif isinstance(cause, FieldError):
+            message, loc = str(cause), [cause.param]
         elif loc:
             message = f"{'.'.join(loc)}: {message}"
         return JSONResponse(
@@ -122,7 +127,17 @@ def build_app(
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(
-            error_body(str(exc.detail), kind, None, exc.status_code), status_code=exc.status_code
+            error_body(str(exc.detail), kind, None, exc.status_code),
+            status_code=exc.status_code,
+            headers=exc.headers,  # e.g. `Allow` on a 405
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not bad input: still OpenAI's shape, never a plain-text page.
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, 500),
+            status_code=500,
         )
 
     @app.middleware("http")
@@ -142,7 +157,7 @@ def build_app(
                 )
         return await call_next(request)
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse, responses=_ERRORS_503)
     async def health(request: Request) -> Any:
         engine = request.app.state.s.engine
         if engine.is_dead:
@@ -169,7 +184,7 @@ def build_app(
             ],
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS_503)
     async def metrics(request: Request) -> PlainTextResponse:
         s: ServerState = request.app.state.s
         try:
@@ -210,6 +225,54 @@ def build_app(
     return app
 
 
+# ---- the OpenAPI description ------------------------------------------------------------------
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+        }
+    },
+}
+_ERRORS_503 = {503: {"description": "the engine is dead or unavailable"}}
+# What every endpoint under /v1 may answer besides 200 (OpenAI's codes, not FastAPI's 422).
+_V1_ERRORS = {
+    "400": "invalid request: the body or one of its values is refused",
+    "401": "missing or wrong API key",
+    "404": "unknown model",
+    "500": "a bug in the server",
+    "503": "the engine is dead, or the server is at capacity (see Retry-After)",
+}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema with the error answers the server really gives, in OpenAI's shape."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        error = {"application/json": {"schema": _ERROR_SCHEMA}}
+        for path, operations in schema["paths"].items():
+            for operation in operations.values():
+                responses = operation["responses"]
+                responses.pop("422", None)
+                if path.startswith("/v1/"):
+                    for code, text in _V1_ERRORS.items():
+                        responses[code] = {"description": text, "content": error}
+                elif "503" in responses:  # /health and /metrics
+                    responses["503"]["content"] = error
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 # ---- request handling ---------------------------------------------------------------------------
 def _check_model(s: ServerState, model: str) -> None:
     if model != s.model_name:
@@ -234,6 +297,14 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
 
 def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    logit_bias = None
+    if body.logit_bias:
+        try:
+            logit_bias = {int(k): v for k, v in body.logit_bias.items()}
+        except ValueError:
+            raise bad_request(
+                "logit_bias keys must be token ids (integers)", "logit_bias"
+            ) from None
     try:
         return SamplingParams(
             n=body.n,
@@ -249,6 +320,7 @@ def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) ->
             logprobs=logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            logit_bias=logit_bias,
         )
     except ValueError as e:
         raise bad_request(str(e)) from e
@@ -270,6 +342,10 @@ def _check_length(s: ServerState, ids: list[int], params: SamplingParams) -> Non
         s.engine.processor.validate_max_tokens(ids, params)
     except ValueError as e:
         raise bad_request(str(e), "max_tokens") from e
+    try:
+        s.engine.processor.validate_token_ids(params)
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 
 
 async def _serve(

@@ -23,6 +23,10 @@ class InputProcessor:
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid Unicode text: {e.reason}") from None
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
@@ -43,6 +47,7 @@ class InputProcessor:
     ) -> EngineCoreRequest:
         self.validate_prompt(prompt_token_ids)
         self.validate_max_tokens(prompt_token_ids, params)
+        self.validate_token_ids(params)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -75,3 +80,16 @@ class InputProcessor:
                 f"tokens) exceeds the context of {self.max_model_len} tokens; ask for at most "
                 f"{self.max_model_len - len(prompt_token_ids)} tokens"
             )
+
+    def validate_token_ids(self, params: SamplingParams) -> None:
+        """Raise ValueError for `stop_token_ids` or `logit_bias` ids outside the vocabulary."""
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            bad = sorted(t for t in ids if not 0 <= t < self.vocab_size)
+            if bad:
+                raise ValueError(
+                    f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): "
+                    f"{', '.join(map(str, bad[:5]))}"
+                )

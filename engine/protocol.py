@@ -10,7 +10,42 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class FieldError(ValueError):
+    """A validation error about one field of the body, named by its dotted path (`stop.1`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _first_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a decoded JSON body that is not valid Unicode text.
+
+    JSON may escape half of a surrogate pair (`"\\ud800"`); Python decodes it into a string
+    that no tokenizer or UTF-8 encoder accepts.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _first_lone_surrogate(key, path) or _first_lone_surrogate(
+            item, f"{path}.{key}" if path else str(key)
+        )
+        if found:
+            return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -18,9 +53,9 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    # Unknown fields (presence_penalty, logit_bias, ...) are accepted and ignored, as OpenAI
-    # clients send some of them by default.
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields (presence_penalty, ...) are accepted and ignored, as OpenAI clients send
+    # some of them by default. NaN and infinity are no number a sampler can use.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = None
@@ -38,6 +73,16 @@ class _Common(BaseModel):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's shape: token id (a string, as JSON keys are) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        where = _first_lone_surrogate(data)
+        if where is not None:
+            raise FieldError(where, "holds a lone UTF-16 surrogate, which is not valid text")
+        return data
 
 
 class CompletionRequest(_Common):
@@ -47,7 +92,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None

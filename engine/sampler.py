@@ -1,8 +1,9 @@
 """Sampling: logits of the last position of each request to one token id (worker, stage 6).
 
-Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then draw with the
-exponential-race trick (argmax of p / Exp(1) noise), one noise row per request: a request with a
-seed draws its noise from its own generator, so it gets the same tokens whatever the batch.
+Rows with a `logit_bias` add it first. Greedy rows take the argmax. Random rows apply
+temperature, top-k and top-p, then draw with the exponential-race trick (argmax of p / Exp(1)
+noise), one noise row per request: a request with a seed draws its noise from its own generator,
+so it gets the same tokens whatever the batch.
 """
 
 from __future__ import annotations
@@ -37,6 +38,22 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     logits.scatter_(-1, sorted_idx, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits to choose from: a copy with each row's `logit_bias` added, or the logits
+    themselves when no row has one. Logprobs are still reported from the model's own logits."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    scores = logits.clone()
+    for i in rows:
+        bias = params[i].logit_bias
+        ids = torch.tensor(list(bias), device=logits.device)
+        scores[i, ids] += torch.tensor(
+            list(bias.values()), dtype=logits.dtype, device=logits.device
+        )
+    return scores
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -49,12 +66,13 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> SamplerOutput:
-        token_ids = logits.argmax(dim=-1)
+        scores = _apply_logit_bias(logits, params)
+        token_ids = scores.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             sub = (
-                logits[rows]
+                scores[rows]
                 / torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[
                     :, None
                 ]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 # Largest `n` and `logprobs` a request may ask for; beyond this a request is refused, not truncated.
 MAX_N = 16
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit bias.
+MAX_LOGIT_BIAS = 100.0
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -29,10 +34,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's `logit_bias`).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _INT64[0] <= value <= _INT64[1]:
+                raise ValueError(f"{name} must fit in a 64-bit integer, got {value}")
+        if any(not _INT64[0] <= t <= _INT64[1] for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids of the vocabulary")
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+                    raise ValueError(
+                        f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                        f"{MAX_LOGIT_BIAS:g}], got {bias} for token {token}"
+                    )
+                if not 0 <= token <= _INT64[1]:
+                    raise ValueError(f"logit_bias keys must be token ids, got {token}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.temperature < 0:

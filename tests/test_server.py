@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -179,6 +180,50 @@ def test_malformed_json_is_a_400_in_openai_shape(server) -> None:
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"prompt": "\ud800 broken surrogate"}, "prompt", "lone UTF-16 surrogate"),
+        ({"prompt": "x", "stop": ["ok", "\udfff"]}, "stop.1", "lone UTF-16 surrogate"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature", "finite number"),
+        ({"prompt": "x", "top_p": float("inf")}, "top_p", "finite number"),
+        ({"prompt": "x", "logit_bias": {"99999999": 5}}, "logit_bias", "outside the vocabulary"),
+        ({"prompt": "x", "logit_bias": {"7": 500}}, None, "logit_bias values must be in"),
+        ({"prompt": "x", "logit_bias": {"seven": 1}}, "logit_bias", "must be token ids"),
+        ({"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids", "outside the vocabulary"),
+        ({"prompt": "x", "seed": 10**30}, None, "64-bit integer"),
+        ({"prompt": "x", "top_k": 10**30}, None, "64-bit integer"),
+        ({"prompt": "x", "max_tokens": 10**9}, "max_tokens", "ask for at most"),
+    ],
+)
+def test_hostile_bodies_get_a_400_in_openai_shape(server, body, param, message) -> None:
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        # allow_nan: NaN and Infinity as Python's json writes them, which many clients send.
+        content=json.dumps({"model": MODEL, "max_tokens": 4, **body}, allow_nan=True),
+        headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and message in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert server.metric("stepscope:num_requests_waiting") == 0
+
+
+def test_logit_bias_steers_greedy_sampling(client) -> None:
+    plain = client.completions.create(prompt="Hello", **greedy(max_tokens=4))
+    forced = client.completions.create(
+        prompt="Hello", logit_bias={"42": 100}, logprobs=1, **greedy(max_tokens=4)
+    )
+    assert forced.choices[0].logprobs.tokens == [":"] * 4  # token 42 of the SmolLM2 vocabulary
+    assert forced.choices[0].text != plain.choices[0].text
+    # Logprobs are the model's own, before the bias.
+    assert all(lp < 0 for lp in forced.choices[0].logprobs.token_logprobs)
+
+
 def test_wrong_or_missing_api_key_is_a_401(server) -> None:
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -256,8 +301,10 @@ def test_openapi_describes_the_api_and_schemathesis_finds_no_5xx(server) -> None
             os.path.join(os.path.dirname(sys.executable), "schemathesis"),
             "run",
             f"{server.url}/openapi.json",
+            # Every check: no 5xx, and each answer (status, content type, body, a 405's
+            # `Allow`) is the one the OpenAPI description promises, errors in OpenAI's shape.
             "--checks",
-            "not_a_server_error",
+            "all",
             "--max-examples",
             "25",
             "--header",
