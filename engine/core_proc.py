@@ -34,11 +34,10 @@ from stepscope.engine.messages import (
     UtilityRequest,
     UtilityResult,
 )
+from stepscope.engine.parent_watch import watch_parent
 from stepscope.traces import names
 from stepscope.traces.setup import dropped_spans, init_process_tracing, shutdown_tracing
 from stepscope.traces.spans import receive_span, send_span
-
-PARENT_POLL_SECONDS = 1.0
 
 
 class EngineCoreProc:
@@ -191,15 +190,6 @@ def _rejected(request_id: str, reason: str) -> EngineCoreOutputs:
     )
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the process that started us is gone (it was killed and cannot shut us down)."""
-    while True:
-        time.sleep(PARENT_POLL_SECONDS)
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-
-
 def run_engine_core(
     config: EngineConfig, model_dir: Path, input_addr: str, output_addr: str, parent_pid: int
 ) -> None:
@@ -208,7 +198,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM unwinds the main thread through the `finally` below, which stops the workers.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    watch_parent(parent_pid)  # SIGTERM: the same unwinding as a clean stop
     init_process_tracing(
         names.SERVICE_ENGINE_CORE,
         collector_endpoint=config.collector_endpoint,

@@ -8,6 +8,7 @@ where to look next: the dashboard, /metrics and the trace file.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 
@@ -56,12 +57,20 @@ async def _workload(url: str, model: str) -> None:
     print(f"\n{len(results)} concurrent streaming requests in {elapsed:.1f} s")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(model: str, port: int = 8000, dashboard_port: int = 5006, wait: bool = True) -> None:
     trace_db = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.duckdb"
     url = f"http://127.0.0.1:{port}"
     args = ["--model", model, "--trace-db", str(trace_db),
             "--dashboard-port", str(dashboard_port)]  # fmt: skip
     print(f"starting: stepscope serve --port {port} {' '.join(args)}", flush=True)
+    # A process manager's SIGTERM or a closed terminal's SIGHUP stops the demo as Ctrl-C does:
+    # through the `finally` below, which stops the server and everything it started.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
     server = ServerProcess(*args, port=port)
     try:
         asyncio.run(_workload(url, model))

@@ -53,7 +53,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 import time
 import traceback
 import weakref
@@ -68,6 +67,7 @@ from stepscope.engine.config import EngineConfig
 from stepscope.engine.executor import Executor
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.models.loader import load_config
+from stepscope.engine.parent_watch import watch_parent
 from stepscope.traces import names
 from stepscope.traces.setup import init_process_tracing, shutdown_tracing
 from stepscope.traces.spans import receive_span, send_span, worker_step_span
@@ -80,7 +80,6 @@ READY, OUTPUT, RESULT, ERROR = b"ready", b"output", b"result", b"error"
 # Worker methods the core may call on every rank; anything else is refused.
 UTILITY_METHODS = frozenset({"determine_num_kv_blocks", "init_kv_cache", "flush_traces"})
 READY_TIMEOUT_S = 300.0
-PARENT_POLL_S = 0.5
 STOP_GRACE_S = 5.0
 
 
@@ -364,17 +363,15 @@ class MultiprocExecutor(Executor):
 
 
 def _exit_when_parent_dies(parent_pid: int, socket_dir: str | None) -> None:
-    """A watcher thread: exit even while the main thread is blocked (a recv, an all-reduce), and
-    remove the socket dir the dead parent can no longer remove."""
+    """Exit even while the main thread is blocked (a recv, an all-reduce), and remove the
+    socket dir the dead parent can no longer remove."""
 
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
+    def exit_now() -> None:
         if socket_dir is not None:
             shutil.rmtree(socket_dir, ignore_errors=True)
         os._exit(1)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    watch_parent(parent_pid, exit_now)
 
 
 def _build_worker(

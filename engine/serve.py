@@ -16,6 +16,7 @@ import uvicorn
 from stepscope.engine.api_server import build_app
 from stepscope.engine.async_llm import AsyncLLM
 from stepscope.engine.multiproc_executor import free_port
+from stepscope.engine.parent_watch import PARENT_ENV, watch_parent_from_env
 from stepscope.traces import names
 from stepscope.traces.collector import start_collector_process, stop_collector_process
 from stepscope.traces.setup import init_process_tracing, shutdown_tracing
@@ -26,6 +27,7 @@ def default_trace_db() -> Path:
 
 
 def serve(args: argparse.Namespace) -> None:
+    watch_parent_from_env()  # started by the demo or a benchmark: end with it
     tracing = not args.no_trace
     if not tracing and (args.trace_db or args.otlp_endpoint or args.dashboard_port is not None):
         raise ValueError(
@@ -96,6 +98,9 @@ def _run(args: argparse.Namespace, engine_args: dict, name: str) -> None:
     )
     note = "" if not args.no_trace else " (--no-trace: no spans recorded)"
     print(f"stepscope: serving {name} on http://{args.host}:{args.port}/v1{note}", flush=True)
+    # uvicorn shuts down cleanly on SIGINT and SIGTERM; a hang-up (the terminal closed) should
+    # too, rather than end this process before it stops its engine and flushes the trace.
+    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
     )
@@ -115,7 +120,10 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "stepscope.engine.cli", "serve",
                     "--port", str(self.port), *serve_args]  # fmt: skip
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True)
+        # Its own session, so a Ctrl-C meant for the caller's terminal is ours to pass on; and
+        # told our pid, so that it stops itself if we are killed before we can stop it.
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
         try:
             self._wait_healthy(timeout)
         except BaseException:

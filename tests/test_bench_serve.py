@@ -85,16 +85,16 @@ def test_latency_stats_of_nothing_are_zero() -> None:
     assert LatencyStats.of([]) == LatencyStats(0.0, 0.0, 0.0)
 
 
-def _bench_cli(*args: str) -> subprocess.CompletedProcess:
+def _bench_cli(tree, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "stepscope.engine.cli", "bench", "serve", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return tree.run(cmd, timeout=600)
 
 
-def test_tracing_off_and_on_side_by_side_in_one_run(tmp_path) -> None:
+def test_tracing_off_and_on_side_by_side_in_one_run(tmp_path, process_tree) -> None:
     """`--tracing off,on` starts a server per setting, replays the workload on each (twice,
     in alternating order), and prints the ratio; the traced server's file holds its spans."""
     out = _bench_cli(
-        "--tracing", "off,on", "--repeat", "2", "--model", "tiny-llama",
+        process_tree, "--tracing", "off,on", "--repeat", "2", "--model", "tiny-llama",
         "--num-requests", "6", "--min-prompt", "8", "--max-prompt", "40",
         "--min-output", "4", "--max-output", "12", "--concurrency", "3",
     )  # fmt: skip
@@ -121,8 +121,8 @@ def test_tracing_off_and_on_side_by_side_in_one_run(tmp_path) -> None:
         (["--tracing", "off,on", "--repeat", "0"], "--repeat must be at least 1"),
     ],
 )
-def test_bad_bench_serve_arguments_are_clear_errors(args, message) -> None:
-    out = _bench_cli("--model", "tiny-llama", *args)
+def test_bad_bench_serve_arguments_are_clear_errors(process_tree, args, message) -> None:
+    out = _bench_cli(process_tree, "--model", "tiny-llama", *args)
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
 

@@ -3,18 +3,17 @@ the sample workload streams back, and the trace file is left behind."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 from stepscope.traces.store import TraceStore
 from tests.server_utils import free_port
 
 
-def test_demo_serves_the_sample_workload_and_leaves_a_trace(tmp_path) -> None:
+def test_demo_serves_the_sample_workload_and_leaves_a_trace(tmp_path, process_tree) -> None:
     ports = ["--port", str(free_port()), "--dashboard-port", str(free_port())]
     cmd = [sys.executable, "-m", "stepscope.engine.cli", "demo", "--model", "tiny-llama", *ports]
     cmd.append("--no-wait")
-    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    result = process_tree.run(cmd, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "6 concurrent streaming requests" in result.stdout
     traces = list((tmp_path / "runs").glob("demo-*.duckdb"))

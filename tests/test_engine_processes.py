@@ -91,9 +91,10 @@ def test_a_killed_process_fails_the_request_within_5_s(victim: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
     threading.Thread(target=kill_soon, daemon=True).start()
-    long = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # to the context
     with pytest.raises(EngineDeadError):
-        llm.generate(["Hello"] * 4, long, use_tqdm=False)
+        while True:  # busy until the kill
+            llm.generate(["Hello"] * 4, long, use_tqdm=False)
     assert time.monotonic() - killed_at[0] < 5.0
     with pytest.raises(EngineDeadError):  # and every later request, at once
         llm.generate("Hello", GREEDY, use_tqdm=False)
@@ -135,7 +136,7 @@ def test_async_engine_fails_in_flight_requests_when_the_core_dies() -> None:
     async def run() -> None:
         engine = AsyncLLM("tiny-llama", num_kv_blocks=64)
         core = next(p.pid for p in engine.processes() if p.role == "engine_core")
-        long = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # to the context
         try:
             stream = engine.generate("Hello", long, "r")
             await stream.__anext__()
@@ -154,28 +155,53 @@ def test_async_engine_fails_in_flight_requests_when_the_core_dies() -> None:
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
+    # Ctrl-C must reach us as KeyboardInterrupt whatever we inherited: a shell starts a
+    # background job (`make test &`) with SIGINT ignored, and Python keeps that disposition.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from stepscope.engine import LLM, SamplingParams
     llm = LLM(model="tiny-llama", num_kv_blocks=32, executor="mp", tensor_parallel_size=2)
     print(" ".join(str(p.pid) for p in llm.processes() if p.role != "api"), flush=True)
     if sys.argv[1] == "exit":
         sys.exit(0)  # no shutdown(): interpreter exit must clean up
-    llm.generate(["Hello"] * 2, SamplingParams(max_tokens=100000, ignore_eos=True))
+    while True:  # busy until a signal ends us
+        llm.generate(["Hello"] * 2, SamplingParams(max_tokens=None, ignore_eos=True))
     """
 )
 
 
-@pytest.mark.parametrize("how", ["exit", "ctrl-c"])
-def test_no_process_outlives_its_script(tmp_path, how: str) -> None:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("how", "signum", "background"),
+    [
+        ("exit", None, False),
+        ("ctrl-c", signal.SIGINT, False),
+        # As under `make test &`: the script inherits SIGINT ignored, and must still stop.
+        ("ctrl-c-in-background-job", signal.SIGINT, True),
+        ("sigterm", signal.SIGTERM, False),
+        ("sighup", signal.SIGHUP, False),
+        ("sigkill", signal.SIGKILL, False),
+    ],
+)
+def test_no_process_outlives_its_script(
+    tmp_path, process_tree, how: str, signum: int | None, background: bool
+) -> None:
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), how], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    proc = process_tree.popen(
+        [sys.executable, str(script), how],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        preexec_fn=_ignore_sigint if background else None,
     )
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 3
-    if how == "ctrl-c":
+    if signum is not None:
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
     proc.wait(timeout=30)
     assert wait_gone(pids) == []

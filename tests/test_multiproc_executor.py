@@ -310,29 +310,24 @@ PARENT_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
-def test_workers_do_not_outlive_the_engine_process(tmp_path: Path, how: str) -> None:
+def test_workers_do_not_outlive_the_engine_process(tmp_path: Path, process_tree, how: str) -> None:
     script = tmp_path / "parent.py"
     script.write_text(PARENT_SCRIPT)
     mode = "exit" if how == "exit" else "wait"
-    parent = subprocess.Popen(
+    parent = process_tree.popen(
         [sys.executable, str(script), mode],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    try:
-        socket_dir = Path(parent.stdout.readline().strip())
-        pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2 and all(alive(p) for p in pids)
-        if how == "sigkill":
-            parent.kill()
-        else:
-            parent.stdin.write("go\n")
-            parent.stdin.flush()
-        parent.wait(timeout=30)
-        assert wait_gone(pids, timeout=5.0) == []
-        assert not socket_dir.exists()
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
+    socket_dir = Path(parent.stdout.readline().strip())
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    if how == "sigkill":
+        parent.kill()
+    else:
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+    parent.wait(timeout=30)
+    assert wait_gone(pids, timeout=5.0) == []
+    assert not socket_dir.exists()

@@ -1,0 +1,93 @@
+"""Processes a test starts, and everything they start in turn, killed when the test ends.
+
+Each process started through `ProcessTree` carries a mark in its environment, which every
+descendant inherits (stepscope passes its environment on to the engine core, the workers, the
+collector and the servers it starts). Teardown kills every process with the mark, wherever it
+has been re-parented and whatever session it started: a test that fails or times out halfway
+leaves nothing spinning behind it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import psutil
+
+MARK = "STEPSCOPE_TEST_TREE"
+
+
+def marked(mark: str) -> list[psutil.Process]:
+    """Every live process (but this one) whose environment carries `MARK=mark`."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.environ().get(MARK) == mark and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_marked(mark: str, timeout: float = 10.0) -> list[str]:
+    """SIGKILL every process with the mark; returns what was left running (pid and command)."""
+    procs = marked(mark)
+    left = []
+    for proc in procs:
+        try:
+            left.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(procs, timeout=timeout)
+    return left
+
+
+class ProcessTree:
+    """Starts processes for one test; `kill()` ends them and all their descendants."""
+
+    def __init__(self) -> None:
+        self.mark = uuid.uuid4().hex
+        self.procs: list[subprocess.Popen] = []
+
+    def env(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        return {**(os.environ if env is None else env), MARK: self.mark}
+
+    def popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:
+        kwargs["env"] = self.env(kwargs.get("env"))
+        proc = subprocess.Popen(cmd, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+        """`subprocess.run(cmd, capture_output=True, text=True)`, the tree killed on timeout."""
+        proc = self.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def alive(self) -> list[psutil.Process]:
+        return marked(self.mark)
+
+    def wait_gone(self, timeout: float) -> list[psutil.Process]:
+        """Wait until no process of the tree is left; returns those still alive."""
+        deadline = time.monotonic() + timeout
+        while (left := self.alive()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+    def kill(self) -> list[str]:
+        left = kill_marked(self.mark)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        return left
