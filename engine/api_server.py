@@ -140,22 +140,7 @@ def build_app(
             status_code=500,
         )
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        s: ServerState = request.app.state.s
-        if s.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given, f"Bearer {s.api_key}"):
-                return JSONResponse(
-                    error_body(
-                        "invalid or missing API key",
-                        "authentication_error",
-                        None,
-                        "invalid_api_key",
-                    ),
-                    status_code=401,
-                )
-        return await call_next(request)
+    app.add_middleware(_APIKeyCheck)
 
     @app.get("/health", response_class=PlainTextResponse, responses=_ERRORS_503)
     async def health(request: Request) -> Any:
@@ -223,6 +208,29 @@ def build_app(
         return await _serve(s, request, body, "chat", [ids], params)
 
     return app
+
+
+class _APIKeyCheck:
+    """`Authorization: Bearer KEY` on /v1/ when the server has a key: a plain ASGI middleware.
+
+    Not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hides the client's disconnect
+    from the endpoint, so a non-streaming request whose client gave up ran to its end.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            key = scope["app"].state.s.api_key
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if key and not secrets.compare_digest(given, f"Bearer {key}"):
+                body = error_body(
+                    "invalid or missing API key", "authentication_error", None, "invalid_api_key"
+                )
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # ---- the OpenAPI description ------------------------------------------------------------------

@@ -134,7 +134,7 @@ async def bench_serve_async(
         # One request first, so that connection set-up and first touches are not measured. Its
         # prompt is a reshuffle, so the prefix cache gives the workload nothing from it.
         warm = random.Random(seed + 1).choices(workload.prompts[0], k=16)
-        first = await _send(client, model, 0, warm, 4)
+        first = await stream_completion(client, model, 0, warm, 4)
         if not first.success:
             raise ValueError(f"the warm-up request to {url} failed: {first.error}")
 
@@ -186,7 +186,9 @@ async def _closed_loop(
     async def user() -> None:
         for i in pending:  # the iterator is shared: each index goes to exactly one user
             results.append(
-                await _send(client, model, i, workload.prompts[i], workload.output_lens[i])
+                await stream_completion(
+                    client, model, i, workload.prompts[i], workload.output_lens[i]
+                )
             )
 
     await asyncio.gather(*(user() for _ in range(concurrency)))
@@ -202,12 +204,16 @@ async def _open_loop(
     tasks = []
     for i, prompt in enumerate(workload.prompts):
         await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
-        tasks.append(asyncio.create_task(_send(client, model, i, prompt, workload.output_lens[i])))
+        tasks.append(
+            asyncio.create_task(
+                stream_completion(client, model, i, prompt, workload.output_lens[i])
+            )
+        )
         arrival += rng.expovariate(rate)
     return list(await asyncio.gather(*tasks))
 
 
-async def _send(
+async def stream_completion(
     client: httpx.AsyncClient, model: str, index: int, prompt: list[int], max_tokens: int
 ) -> RequestResult:
     """One streamed completion; every failure is recorded in the result, never raised."""

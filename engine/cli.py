@@ -51,6 +51,13 @@ def _bench_serve(args: argparse.Namespace) -> None:
     bench_serve(args)
 
 
+def _bench_soak(args: argparse.Namespace) -> None:
+    from stepscope.engine.bench_soak import bench_soak
+
+    if not bench_soak(args):
+        sys.exit(1)
+
+
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     """The benchmark workload (`bench.make_workload`) and the engine budget both benchmarks
     share (for `bench serve`: the offline engine of --compare-offline and servers it starts)."""
@@ -190,6 +197,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="then run the workload through LLM(...) here and print server / offline tok/s",
     )
     p.set_defaults(func=_bench_serve, executor="uni")
+
+    p = bench_sub.add_parser(
+        "soak", help="rounds of streams, disconnects, aborts and hostile bodies; checks recovery"
+    )
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--streams", type=int, default=64, help="concurrent streams per round")
+    p.add_argument("--disconnects", type=int, default=16, help="streams cut after 3 chunks")
+    p.add_argument("--aborts", type=int, default=8, help="requests the client gives up on")
+    p.add_argument(
+        "--abort-after", type=float, default=1.0, help="seconds before an abort gives up"
+    )
+    p.add_argument("--max-prompt", type=int, default=200, help="longest prompt, tokens")
+    p.add_argument("--max-output", type=int, default=48, help="longest stream output, tokens")
+    p.add_argument("--model", default=None, help="default: the model the server lists")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_bench_soak)
     return parser
 
 

@@ -293,6 +293,25 @@ def test_client_disconnect_aborts_the_request(server) -> None:
     assert server.metric("stepscope:kv_cache_usage_perc") == 0.0
 
 
+def test_a_client_giving_up_on_a_non_streaming_request_aborts_it(server) -> None:
+    body = {"prompt": "Go on forever", **greedy(max_tokens=480, ignore_eos=True)}
+    before = server.metric("stepscope:generation_tokens_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            f"{server.url}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=1.0,
+        )
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and server.metric("stepscope:num_requests_running") != 0:
+        time.sleep(0.1)
+    assert server.metric("stepscope:num_requests_running") == 0
+    assert server.metric("stepscope:kv_cache_usage_perc") == 0.0
+    # Aborted, not run to its end (480 tokens take this CPU several seconds).
+    assert server.metric("stepscope:generation_tokens_total") - before < 480
+
+
 def test_openapi_describes_the_api_and_schemathesis_finds_no_5xx(server) -> None:
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
