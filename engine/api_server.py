@@ -31,7 +31,10 @@ from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     FieldError,
+    TokenizeChatRequest,
+    TokenizePromptRequest,
     error_body,
     new_id,
     now,
@@ -94,7 +97,7 @@ def build_app(
             engine.shutdown()
 
     app = FastAPI(title="stepscope", version=VERSION, lifespan=lifespan)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app, model_name)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -181,14 +184,70 @@ def build_app(
             s.metrics.render(stats, s.in_flight, dropped), media_type="text/plain; version=0.0.4"
         )
 
+    # The tokenizer endpoints vLLM offers, which clients such as lm-evaluation-harness use to
+    # tokenize exactly as the server does (its `tokenizer_backend=remote`).
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest, request: Request) -> dict:
+        s: ServerState = request.app.state.s
+        if body.model is not None:
+            _check_model(s, body.model)
+        processor = s.engine.processor
+        try:
+            if isinstance(body, TokenizeChatRequest):
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                ids = processor.apply_chat_template(messages)
+            else:
+                ids = s.engine.tokenizer.encode(
+                    body.prompt, add_special_tokens=body.add_special_tokens
+                )
+        except ValueError as e:
+            raise bad_request(
+                str(e), "messages" if isinstance(body, TokenizeChatRequest) else "prompt"
+            ) from e
+        return {"count": len(ids), "max_model_len": s.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+        s: ServerState = request.app.state.s
+        if body.model is not None:
+            _check_model(s, body.model)
+        vocab = s.engine.processor.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")
+        return {"prompt": s.engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict:
+        s: ServerState = request.app.state.s
+        tok = s.engine.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": tok.chat_template,
+            "model_max_length": s.engine.max_model_len,
+            "vocab_size": s.engine.processor.vocab_size,
+        }
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         s: ServerState = request.app.state.s
         _check_model(s, body.model)
         prompts = _completion_prompts(body.prompt)
-        params = _sampling_params(body, body.max_tokens, body.logprobs)
+        echo = None
+        max_tokens = body.max_tokens
+        if body.echo:
+            # `echo` with `max_tokens: 0` scores the prompt and generates nothing (what
+            # loglikelihood evals send); the engine still runs one step, whose token is dropped.
+            echo = _Echo(prompts, score_only=max_tokens == 0)
+            max_tokens = 1 if max_tokens == 0 else max_tokens
+        params = _sampling_params(
+            body, max_tokens, body.logprobs, body.logprobs if body.echo else None
+        )
         token_lists = [_tokenize(s, p) for p in prompts]
-        return await _serve(s, request, body, "text_completion", token_lists, params)
+        return await _serve(s, request, body, "text_completion", token_lists, params, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
@@ -261,8 +320,9 @@ _V1_ERRORS = {
 }
 
 
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema with the error answers the server really gives, in OpenAI's shape."""
+def _openapi(app: FastAPI, model_name: str) -> dict:
+    """FastAPI's schema with the error answers the server really gives, in OpenAI's shape, and
+    the one model this server serves (so that a fuzzer's requests reach the engine)."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
@@ -275,8 +335,17 @@ def _openapi(app: FastAPI) -> dict:
                 if path.startswith("/v1/"):
                     for code, text in _V1_ERRORS.items():
                         responses[code] = {"description": text, "content": error}
+                elif path in ("/tokenize", "/detokenize"):
+                    for code in ("400", "404", "500"):
+                        text = _V1_ERRORS[code]
+                        responses[code] = {"description": text, "content": error}
                 elif "503" in responses:  # /health and /metrics
                     responses["503"]["content"] = error
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            ok = schema["paths"][path]["post"]["responses"]["200"]
+            ok["content"]["text/event-stream"] = {"schema": {}}  # stream: true; chunks as JSON
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -303,7 +372,9 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    body: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     logit_bias = None
     if body.logit_bias:
@@ -326,6 +397,7 @@ def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) ->
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             logit_bias=logit_bias,
@@ -363,6 +435,7 @@ async def _serve(
     kind: str,
     token_lists: list[list[int]],
     params: SamplingParams,
+    echo: _Echo | None = None,
 ) -> Any:
     for ids in token_lists:
         _check_length(s, ids, params)
@@ -392,12 +465,12 @@ async def _serve(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(s, kind, base_id, stream, include_usage, token_lists, params),
+            _sse(s, kind, base_id, stream, include_usage, token_lists, params, echo),
             media_type="text/event-stream",
             background=BackgroundTask(slot.release),
         )
     try:
-        return await _full(s, request, kind, base_id, stream, token_lists, params)
+        return await _full(s, request, kind, base_id, stream, token_lists, params, echo)
     finally:
         slot.release()
 
@@ -495,6 +568,48 @@ def _completion_logprobs(tokenizer, out_logprobs, token_ids, n: int) -> dict:
     }
 
 
+@dataclass(slots=True)
+class _Echo:
+    """`echo` on /v1/completions: each choice starts with its prompt (text, and with `logprobs`
+    the prompt tokens' logprobs, the first one null); `score_only` (`max_tokens: 0`) leaves out
+    the completion itself."""
+
+    prompts: list[str | list[int]]
+    score_only: bool = False
+
+
+def _completion_choice(
+    tok, params, echo: _Echo | None, p_idx, prompt_ids, prompt_logprobs, text, token_ids, logprobs,
+    first,
+) -> tuple[str, dict | None, int]:  # fmt: skip
+    """A completion choice's (or chunk's) text and logprobs, and how many generated tokens it
+    reports; with `echo`, the first one carries prompt `p_idx` in front."""
+    if echo is not None and echo.score_only:
+        text, token_ids, logprobs = "", [], []
+    body = None
+    if params.logprobs is not None:
+        body = _completion_logprobs(tok, logprobs, token_ids, params.logprobs)
+    if echo is not None and first:
+        prompt = echo.prompts[p_idx]
+        text = (prompt if isinstance(prompt, str) else tok.decode(prompt_ids)) + text
+        if body is not None:
+            scored = prompt_logprobs or [None]  # RequestOutput.prompt_logprobs
+            if len(scored) != len(prompt_ids):
+                raise RuntimeError("the engine returned no prompt logprobs for an echo")
+            head = {
+                "tokens": tok.convert_ids_to_tokens(prompt_ids),
+                "token_logprobs": [None]
+                + [lp[t] for lp, t in zip(scored[1:], prompt_ids[1:], strict=True)],
+                "top_logprobs": [None]
+                + [
+                    {tok.convert_ids_to_tokens(k): v for k, v in _top(lp, params.logprobs)}
+                    for lp in scored[1:]
+                ],
+            }
+            body = {key: head[key] + body[key] for key in head} | {"text_offset": []}
+    return text, body, len(token_ids)
+
+
 def _chat_logprobs(tokenizer, out_logprobs, token_ids, n: int) -> dict:
     content = []
     for lp, t in zip(out_logprobs, token_ids, strict=False):
@@ -513,10 +628,11 @@ def _chat_logprobs(tokenizer, out_logprobs, token_ids, n: int) -> dict:
     return {"content": content}
 
 
-async def _full(s, request, kind, base_id, stream, token_lists, params) -> dict:
+async def _full(s, request, kind, base_id, stream, token_lists, params, echo=None) -> dict:
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
     lps: dict[int, list[dict]] = {}
+    prompt_lps: dict[int, list] = {}
     finish: dict[int, str | None] = {}
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
@@ -525,6 +641,8 @@ async def _full(s, request, kind, base_id, stream, token_lists, params) -> dict:
             texts.setdefault(index, []).append(c.text)
             ids.setdefault(index, []).extend(c.token_ids)
             lps.setdefault(index, []).extend(c.logprobs or [])
+            if out.prompt_logprobs:
+                prompt_lps[index] = out.prompt_logprobs
             if out.finished:
                 finish[index] = c.finish_reason
     except APIError:
@@ -547,14 +665,18 @@ async def _full(s, request, kind, base_id, stream, token_lists, params) -> dict:
                 "finish_reason": finish.get(index),
             }
         else:
+            p_idx = index // params.n
+            text, logprobs, num_tokens = _completion_choice(
+                tok, params, echo, p_idx, token_lists[p_idx], prompt_lps.get(index),
+                text, ids[index], lps[index], first=True,
+            )  # fmt: skip
             choice = {
                 "index": index,
                 "text": text,
-                "logprobs": _completion_logprobs(tok, lps[index], ids[index], params.logprobs)
-                if params.logprobs is not None
-                else None,
+                "logprobs": logprobs,
                 "finish_reason": finish.get(index),
             }
+            ids[index] = ids[index][:num_tokens]
         choices.append(choice)
     prompt_tokens = sum(len(t) for t in token_lists)
     completion_tokens = sum(len(v) for v in ids.values())
@@ -594,7 +716,9 @@ async def _race(stream: AsyncIterator, watcher: asyncio.Task) -> AsyncIterator:
         await stream.aclose()
 
 
-async def _sse(s, kind, base_id, stream, include_usage, token_lists, params) -> AsyncIterator[str]:
+async def _sse(
+    s, kind, base_id, stream, include_usage, token_lists, params, echo=None
+) -> AsyncIterator[str]:
     created = now()
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     tok = s.engine.tokenizer
@@ -616,8 +740,8 @@ async def _sse(s, kind, base_id, stream, include_usage, token_lists, params) -> 
     try:
         async for index, out in stream:
             c = out.outputs[0]
-            counts[index] = counts.get(index, 0) + len(c.token_ids)
             if kind == "chat":
+                counts[index] = counts.get(index, 0) + len(c.token_ids)
                 delta: dict[str, Any] = {}
                 if index not in started:
                     delta["role"] = "assistant"
@@ -636,14 +760,16 @@ async def _sse(s, kind, base_id, stream, include_usage, token_lists, params) -> 
                     "finish_reason": c.finish_reason if out.finished else None,
                 }
             else:
-                lp = (
-                    _completion_logprobs(tok, c.logprobs or [], c.token_ids, params.logprobs)
-                    if params.logprobs is not None
-                    else None
-                )
+                p_idx = index // params.n
+                text, lp, num_tokens = _completion_choice(
+                    tok, params, echo, p_idx, token_lists[p_idx], out.prompt_logprobs,
+                    c.text, c.token_ids, c.logprobs or [], first=index not in started,
+                )  # fmt: skip
+                started.add(index)
+                counts[index] = counts.get(index, 0) + num_tokens
                 choice = {
                     "index": index,
-                    "text": c.text,
+                    "text": text,
                     "logprobs": lp,
                     "finish_reason": c.finish_reason if out.finished else None,
                 }

@@ -20,7 +20,12 @@ from stepscope.engine.detokenizer import IncrementalDetokenizer
 from stepscope.engine.input_processor import InputProcessor, PromptType
 from stepscope.engine.messages import EngineCoreOutput, EngineCoreOutputs, ProcessInfo
 from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
-from stepscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from stepscope.engine.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    prompt_logprobs_of,
+)
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
 from stepscope.traces.spans import request_span
@@ -180,6 +185,7 @@ class AsyncLLM:
             finished=done,
             metrics=m,
             num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs_of(out.prompt_logprobs),
         )
         return output, stop is not None and not finished
 

@@ -35,9 +35,10 @@ class KVCacheManager:
         """Longest cached prefix of the request, in whole blocks.
 
         The last prompt token is never counted: the model must run on at least one token to
-        produce the logits of the next one.
+        produce the logits of the next one. A request that wants its prompt's logprobs gets no
+        hit: the model must run on every prompt token to score it.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -22,7 +22,12 @@ from stepscope.engine.engine_core import EngineCore
 from stepscope.engine.input_processor import InputProcessor, PromptType
 from stepscope.engine.messages import EngineCoreOutput, ProcessInfo
 from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
-from stepscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from stepscope.engine.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    prompt_logprobs_of,
+)
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
 from stepscope.traces.collector import (
@@ -53,6 +58,7 @@ class _Child:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
     span: Any = NOOP  # the request's `stepscope.request` span
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -306,6 +312,8 @@ class LLM:
             child.metrics = RequestMetrics(arrival_time=out.events.get("queued", 0.0))
         m = child.metrics
         m.update(out.events, out.num_cached_tokens, out.num_preemptions)
+        if out.prompt_logprobs:
+            child.prompt_logprobs = prompt_logprobs_of(out.prompt_logprobs)
         child.span.observe(out)
         finished = out.finish_reason is not None
         stop = child.detokenizer.update(out.new_token_ids, finished)
@@ -350,6 +358,7 @@ class LLM:
             metrics=metrics,
             num_cached_tokens=metrics.num_cached_tokens if metrics else 0,
             children_metrics=[c.metrics for c in kids if c.metrics],
+            prompt_logprobs=next((c.prompt_logprobs for c in kids if c.prompt_logprobs), None),
         )
 
 

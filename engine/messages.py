@@ -37,6 +37,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int = 0  # of token_ids, the prompt (for prompt logprobs)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -60,6 +61,14 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     trace_context: dict[str, str] = {}
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of a run of prompt tokens, each given the tokens before it (one chunk's worth)."""
+
+    start: int  # prompt position of the first token scored (>= 1: the first has no context)
+    token_ids: list[list[int]]  # per position: the prompt's token, then the top-N
+    logprobs: list[list[float]]
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """Sampled tokens of one step, one list per scheduled request (empty mid-prefill)."""
 
@@ -68,6 +77,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Per request with logprobs asked: [sampled, top-1, ..., top-N] ids and their logprobs.
     logprob_token_ids: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
+    # Per request with prompt logprobs asked, for the prompt tokens this step computed.
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
     trace_context: dict[str, str] = {}
 
 
@@ -87,6 +98,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     events: dict[str, float] = {}  # queued / scheduled / first_token / preempted / finished
     num_preemptions: int = 0
+    # With the first token: one Logprob per prompt position from 1 on (prompt token first).
+    prompt_logprobs: list[Logprob] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

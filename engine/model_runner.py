@@ -12,7 +12,7 @@ import torch
 
 from stepscope.engine.attention import AttentionMetadata, SeqInfo, make_attention_backend
 from stepscope.engine.config import EngineConfig
-from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
+from stepscope.engine.messages import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from stepscope.engine.models.llama import LlamaModel, LlamaShape
 from stepscope.engine.models.loader import load_config
 from stepscope.engine.sampler import Sampler
@@ -21,6 +21,7 @@ from stepscope.traces import names
 from stepscope.traces.spans import child_span
 
 CPU_KV_CACHE_MAX_BYTES = 2 * 2**30  # default cap of the CPU KV pool, as vLLM's CPU backend caps it
+PROMPT_SCORING_ROWS = 256  # prompt positions scored at once (256 x vocab float32 logits)
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -43,6 +45,8 @@ class _Batch:
     meta: AttentionMetadata
     sample_rows: list[int]  # flat row of the last token of each request that samples
     sample_states: list[CachedRequestState]
+    # Requests that score their prompt: (state, flat row of the chunk's first token, its position)
+    prompt_scoring: list[tuple[CachedRequestState, int, int, int]]
 
 
 def available_memory_bytes() -> int:
@@ -129,6 +133,7 @@ class ModelRunner:
                 new.num_computed_tokens,
                 new.sampling_params,
                 gen,
+                new.num_prompt_tokens,
             )
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(
@@ -166,10 +171,15 @@ class ModelRunner:
         seqs: list[SeqInfo] = []
         sample_rows: list[int] = []  # flat row of the last token of each request that samples
         sample_states: list[CachedRequestState] = []
+        prompt_scoring: list[tuple[CachedRequestState, int, int, int]] = []
         for req_id in order:
             st = self.requests[req_id]
             n = so.num_scheduled_tokens[req_id]
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            # Rows at positions p < prompt length - 1 predict prompt token p + 1.
+            scored_end = min(end, st.num_prompt_tokens - 1)
+            if st.sampling_params.prompt_logprobs is not None and start < scored_end:
+                prompt_scoring.append((st, len(input_ids), start, scored_end))
             input_ids.extend(st.token_ids[start:end])
             pos = np.arange(start, end)
             positions.append(pos)
@@ -188,6 +198,7 @@ class ModelRunner:
             meta=self.attn.build_metadata(seqs, slot_t),
             sample_rows=sample_rows,
             sample_states=sample_states,
+            prompt_scoring=prompt_scoring,
         )
 
     def _sample(self, batch: _Batch, hidden: torch.Tensor) -> ModelRunnerOutput:
@@ -212,4 +223,32 @@ class ModelRunner:
             sampled_token_ids=[sampled.get(r, []) for r in batch.order],
             logprob_token_ids=lp_ids,
             logprobs=lps,
+            prompt_logprobs={
+                st.req_id: self._score_prompt(hidden, st, row, start, end)
+                for st, row, start, end in batch.prompt_scoring
+            },
         )
+
+    def _score_prompt(
+        self, hidden: torch.Tensor, st: CachedRequestState, row: int, start: int, end: int
+    ) -> PromptLogprobs:
+        """Logprobs of prompt tokens start + 1 .. end, from the rows at positions start .. end - 1
+        (flat rows from `row`), with each position's top-N; in slices, as a vocabulary-wide
+        row of float32 logits per token adds up fast."""
+        top_n = st.sampling_params.prompt_logprobs
+        targets = torch.tensor(st.token_ids[start + 1 : end + 1], device=self.device)
+        ids: list[list[int]] = []
+        lps: list[list[float]] = []
+        for a in range(0, end - start, PROMPT_SCORING_ROWS):
+            b = min(a + PROMPT_SCORING_ROWS, end - start)
+            logprobs = self.model.compute_logits(hidden[row + a : row + b]).log_softmax(dim=-1)
+            own = logprobs.gather(1, targets[a:b, None])
+            if top_n:
+                top_vals, top_idx = logprobs.topk(top_n, dim=-1)
+                own_ids = torch.cat([targets[a:b, None], top_idx], dim=1)
+                own = torch.cat([own, top_vals], dim=1)
+            else:
+                own_ids = targets[a:b, None]
+            ids += own_ids.tolist()
+            lps += own.tolist()
+        return PromptLogprobs(start + 1, ids, lps)

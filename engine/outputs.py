@@ -59,3 +59,13 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     children_metrics: list[RequestMetrics] = field(default_factory=list)
+    # With SamplingParams(prompt_logprobs=N): None for the first prompt token (it has no
+    # context), then {token_id: logprob} for the prompt's token and the top-N at each position.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def prompt_logprobs_of(logprobs: list) -> list[dict[int, float] | None] | None:
+    """`RequestOutput.prompt_logprobs` from an EngineCoreOutput's `prompt_logprobs`."""
+    if not logprobs:
+        return None
+    return [None, *(dict(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in logprobs)]

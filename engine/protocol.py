@@ -48,6 +48,14 @@ def _first_lone_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
+def text_is_unicode(data: Any) -> Any:
+    """A body validator: refuse a body that holds a lone surrogate anywhere."""
+    where = _first_lone_surrogate(data)
+    if where is not None:
+        raise FieldError(where, "holds a lone UTF-16 surrogate, which is not valid text")
+    return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -79,14 +87,13 @@ class _Common(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _text_is_unicode(cls, data: Any) -> Any:
-        where = _first_lone_surrogate(data)
-        if where is not None:
-            raise FieldError(where, "holds a lone UTF-16 surrogate, which is not valid text")
-        return data
+        return text_is_unicode(data)
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # OpenAI's (and vLLM's) default for completions; null generates until the context is full.
+    max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, description="top log-probabilities per token")
     echo: bool = False
 
@@ -113,6 +120,37 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class _TokenizeBase(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        return text_is_unicode(data)
+
+
+class TokenizePromptRequest(_TokenizeBase):
+    """vLLM's `/tokenize` of a prompt."""
+
+    prompt: str
+
+
+class TokenizeChatRequest(_TokenizeBase):
+    """vLLM's `/tokenize` of chat messages, through the chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def new_id(prefix: str) -> str:

@@ -12,6 +12,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+from stepscope.engine.messages import Logprob
 from stepscope.engine.sampling_params import SamplingParams
 
 
@@ -69,6 +70,8 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     events: RequestEvents = field(init=False)
+    # Prompt logprobs gathered from the steps that computed the prompt, sent with the first token.
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

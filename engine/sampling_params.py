@@ -32,6 +32,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt's own tokens (each given the ones before it), with the top-N at
+    # each position: what `echo` with `logprobs` returns, and what loglikelihood evals read.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before sampling (OpenAI's `logit_bias`).
@@ -43,7 +46,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for name in ("temperature", "top_p"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+        for name in (
+            "n",
+            "top_k",
+            "seed",
+            "max_tokens",
+            "min_tokens",
+            "logprobs",
+            "prompt_logprobs",
+        ):
             value = getattr(self, name)
             if value is not None and not _INT64[0] <= value <= _INT64[1]:
                 raise ValueError(f"{name} must fit in a 64-bit integer, got {value}")
@@ -76,6 +87,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"
+            )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

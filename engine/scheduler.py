@@ -19,6 +19,7 @@ from stepscope.engine.messages import (
     Logprob,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from stepscope.engine.request import Request, RequestStatus
@@ -197,6 +198,7 @@ class Scheduler:
                     sampling_params=r.sampling_params,
                     block_ids=self.kv.block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
+                    num_prompt_tokens=r.num_prompt_tokens,
                 )
                 for r in scheduled_new
             ],
@@ -246,6 +248,10 @@ class Scheduler:
         """Append sampled tokens and stop requests that hit EOS, a stop token or a length limit."""
         outputs: list[EngineCoreOutput] = []
         now = time.time()
+        for req_id, chunk in runner_output.prompt_logprobs.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                _gather_prompt_logprobs(request, chunk)
         for req_id, sampled in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
@@ -267,7 +273,9 @@ class Scheduler:
                     Logprob(runner_output.logprob_token_ids[req_id], runner_output.logprobs[req_id])
                 ]
             events: dict[str, float] = {}
-            if request.num_output_tokens == len(new_tokens):
+            prompt_logprobs: list[Logprob] = []
+            if request.num_output_tokens == len(new_tokens):  # the first tokens
+                prompt_logprobs = request.prompt_logprobs
                 events = {"queued": request.events.arrival}
                 if request.events.first_scheduled is not None:
                     events["scheduled"] = request.events.first_scheduled
@@ -292,6 +300,7 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     events=events,
                     num_preemptions=request.num_preemptions,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs
@@ -308,3 +317,11 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _gather_prompt_logprobs(request: Request, chunk: PromptLogprobs) -> None:
+    """Add one step's prompt logprobs to the request's, skipping positions it already has (a
+    request preempted mid-prompt computes its prompt again)."""
+    have = 1 + len(request.prompt_logprobs)  # position 0 has no logprob
+    for i in range(max(have - chunk.start, 0), len(chunk.token_ids)):
+        request.prompt_logprobs.append(Logprob(chunk.token_ids[i], chunk.logprobs[i]))

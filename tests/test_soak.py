@@ -58,7 +58,8 @@ HOSTILE = [
 ACCEPTED = [
     {"prompt": "x", "stop": ["a"] * 10000, "max_tokens": 8},
     {"prompt": "x", "seed": -1},
-    {"prompt": "x", "temperature": 0.7},
+    {"prompt": "x", "temperature": 0.7, "max_tokens": None},
+    {"prompt": "x", "logit_bias": {"5": 3}, "max_tokens": None},
 ]
 
 
