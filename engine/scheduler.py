@@ -175,6 +175,19 @@ class Scheduler:
             else:
                 num_prefill += n
 
+        self.last_stats = StepStats(
+            step=self.step_index,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_decode_tokens=num_decode,
+            num_prefill_tokens=num_prefill,
+            token_budget=self.max_num_batched_tokens,
+            kv_free_before=kv_free_before,
+            kv_free_after=self.kv.num_free_blocks,
+            prefix_hit_tokens=prefix_hit_tokens,
+            preempted=tuple(r.request_id for r in preempted),
+            finished=tuple(sorted(self.finished_req_ids)) if num_scheduled or preempted else (),
+        )
         if not num_scheduled and not preempted:
             # Nothing to run: no step happens. Requests finished meanwhile (aborts) wait for the
             # next real step to tell the workers, and the step index does not move.
@@ -211,19 +224,6 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=sorted(self.finished_req_ids),
             preempted_req_ids=[r.request_id for r in preempted],
-        )
-        self.last_stats = StepStats(
-            step=self.step_index,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_decode_tokens=num_decode,
-            num_prefill_tokens=num_prefill,
-            token_budget=self.max_num_batched_tokens,
-            kv_free_before=kv_free_before,
-            kv_free_after=self.kv.num_free_blocks,
-            prefix_hit_tokens=prefix_hit_tokens,
-            preempted=tuple(output.preempted_req_ids),
-            finished=tuple(output.finished_req_ids),
         )
         self.finished_req_ids.clear()
         self.step_index += 1

@@ -21,10 +21,14 @@ MARK = "STEPSCOPE_TEST_TREE"
 
 
 def marked(mark: str) -> list[psutil.Process]:
-    """Every live process (but this one) whose environment carries `MARK=mark`."""
+    """Every live process whose environment carries `MARK=mark`, except this one and its
+    ancestors (a test session run inside a marked process, e.g. by the GPU check's dry run,
+    must not kill the processes that started it)."""
+    me = psutil.Process()
+    spared = {me.pid, *(p.pid for p in me.parents())}
     found = []
     for proc in psutil.process_iter():
-        if proc.pid == os.getpid():
+        if proc.pid in spared:
             continue
         try:
             if proc.environ().get(MARK) == mark and proc.status() != psutil.STATUS_ZOMBIE:
