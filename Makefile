@@ -17,17 +17,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	@# Browser tests drive Debian's Chromium (playwright cannot download its own browser here).
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
-	$(PY) -m stepscope.engine.cli prepare --model smollm2-135m-instruct --model tiny-llama
+	$(PY) -m stepscope.engine.entrypoints.cli prepare --model smollm2-135m-instruct --model tiny-llama
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m stepscope.engine.cli demo
+	$(PY) -m stepscope.engine.entrypoints.cli demo
 
 test: setup lint
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m stepscope.engine.cli bench offline
+	$(PY) -m stepscope.engine.entrypoints.cli bench offline
 
 # The tutorials in JupyterLab, on loopback.
 lab: setup
@@ -44,7 +44,7 @@ format: setup
 # On a CUDA machine, which has no .venv: kernel tests compiled, smollm2-shaped end to end, kernel
 # and engine benchmarks; see docs/gpu-check.md.
 gpu-check:
-	python3 kernels/gpu_check.py
+	python3 tools/gpu_check.py
 
 gpu-check-dry: setup
-	$(PY) kernels/gpu_check.py --dry-run --out runs/gpu-check-dry.md
+	$(PY) tools/gpu_check.py --dry-run --out runs/gpu-check-dry.md

@@ -7,7 +7,7 @@ lazily so that importing one submodule (say, the scheduler) does not load torch 
 from importlib import import_module
 
 _EXPORTS = {
-    "LLM": "stepscope.engine.llm",
+    "LLM": "stepscope.engine.entrypoints.llm",
     "SamplingParams": "stepscope.engine.sampling_params",
     "RequestOutput": "stepscope.engine.outputs",
     "CompletionOutput": "stepscope.engine.outputs",

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+
 import httpx
 
-from stepscope.engine.multiproc_executor import free_port
-from stepscope.engine.serve import ServerProcess
+from stepscope.engine.entrypoints.serve import ServerProcess
+from stepscope.traces.process import free_port
 
-__all__ = ["Server", "free_port"]
+__all__ = ["CLI", "Server", "free_port"]
+
+# `stepscope ...` as a command line that runs this checkout's code in this interpreter.
+CLI = [sys.executable, "-m", "stepscope.engine.entrypoints.cli"]
 
 
 class Server(ServerProcess):

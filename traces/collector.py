@@ -46,6 +46,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from stepscope.traces.process import watch_parent
 from stepscope.traces.store import SpanBatch, TraceStore
 
 logger = logging.getLogger(__name__)
@@ -525,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.nice:
         os.nice(args.nice)  # before any thread starts: on Linux each thread has its own
     if args.parent_pid is not None:
-        _watch_parent(args.parent_pid)
+        watch_parent(args.parent_pid)  # SIGTERM: flush, close the file
     run_collector(
         args.db_path,
         args.host,
@@ -541,17 +542,6 @@ class _Announcer:
     def put(self, item: tuple[str, str]) -> None:
         kind, value = item
         print(f"{kind} {value}", flush=True)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """SIGTERM ourselves (flush, close the file) once the process that started us is gone."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 
 from bokeh.settings import settings as bokeh_settings
 
+from stepscope.traces.process import free_port
 from stepscope.viz.sources import CollectorSource, DuckDBSource, StoreSource, TraceSource
 
 logger = logging.getLogger(__name__)
@@ -89,12 +90,6 @@ def serve_dashboard(
     _serve(source, host, port)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _wait_listening(host: str, port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -115,7 +110,7 @@ def start_dashboard_thread(
 ) -> str:
     """Serve the dashboard from a daemon thread of this process; returns its URL once listening."""
     if port == 0:
-        port = _free_port(host)
+        port = free_port(host)
 
     def run() -> None:
         asyncio.set_event_loop(asyncio.new_event_loop())

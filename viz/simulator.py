@@ -17,11 +17,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from stepscope.engine.kv_cache_manager import KVCacheManager, cdiv
+from stepscope.engine.core.kv_cache_manager import KVCacheManager, cdiv
+from stepscope.engine.core.request import Request
+from stepscope.engine.core.scheduler import Scheduler
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
-from stepscope.engine.request import Request
 from stepscope.engine.sampling_params import SamplingParams
-from stepscope.engine.scheduler import Scheduler
 
 # The seed's walkthrough settings (section 03) and its two worked examples.
 SEED_SETTINGS = {"budget": 2048, "block_size": 64, "max_num_seqs": 256}

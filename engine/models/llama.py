@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stepscope.engine.attention import AttentionBackend, AttentionMetadata
+from stepscope.engine.worker.attention import AttentionBackend, AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from stepscope.engine.scheduler import StepStats
+from stepscope.engine.core.scheduler import StepStats
 from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp

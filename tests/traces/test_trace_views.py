@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from stepscope.engine.scheduler import StepStats
+from stepscope.engine.core.scheduler import StepStats
 from stepscope.traces import cli, queries, setup
 from stepscope.traces import names as n
 from stepscope.traces import spans as sp

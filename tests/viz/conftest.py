@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from stepscope.engine.multiproc_executor import free_port
+from stepscope.traces.process import free_port
 from stepscope.traces.store import TraceStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def trace_db(tmp_path_factory) -> tuple[str, dict[str, Any]]:
     """A real run's trace file: tiny-llama on the real engine (API side, engine-core process,
     two workers), with a KV pool small enough that requests queue, share a prefix, are chunked
     and get preempted. Returns the path and what the run did."""
-    from stepscope.engine.llm import LLM
+    from stepscope.engine.entrypoints.llm import LLM
     from stepscope.engine.sampling_params import SamplingParams
 
     path = tmp_path_factory.mktemp("trace") / "run.duckdb"

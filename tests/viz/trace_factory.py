@@ -25,16 +25,16 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-from stepscope.engine.kv_cache_manager import KVCacheManager
+from stepscope.engine.core.kv_cache_manager import KVCacheManager
+from stepscope.engine.core.request import Request
+from stepscope.engine.core.scheduler import Scheduler
 from stepscope.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from stepscope.engine.request import Request
 from stepscope.engine.sampling_params import SamplingParams
-from stepscope.engine.scheduler import Scheduler
 from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp

@@ -1,0 +1,240 @@
+"""`stepscope bench offline`: stepscope against transformers `generate` on one seeded workload,
+same model, dtype and machine, in one run. Prints tokens/s of each, their ratio, and stepscope's
+model-FLOP utilisation against a large matmul timed in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> Workload:
+    """Random token prompts and output lengths, uniform in the given ranges, from one seed."""
+    for name, (low, high) in (("prompt", prompt_range), ("output", output_range)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} lengths need 1 <= min <= max, got {low}-{high}")
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(100, vocab_size) for _ in range(rng.randint(*prompt_range))]
+        for _ in range(num_requests)
+    ]
+    outputs = [rng.randint(*output_range) for _ in range(num_requests)]
+    return Workload(prompts, outputs)
+
+
+def alternating(settings: list[str], repeat: int) -> list[tuple[int, str]]:
+    """(run, setting) pairs: `repeat` runs of each setting, the order reversed every other run
+    (off, on, on, off, ...), so that a machine that speeds up or slows down during a benchmark
+    favours no setting."""
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    return [
+        (run, setting)
+        for run in range(repeat)
+        for setting in (settings if run % 2 == 0 else settings[::-1])
+    ]
+
+
+def matmul_peak_gflops(dtype: torch.dtype = torch.float32, n: int = 2048, reps: int = 5) -> float:
+    """Sustained GFLOP/s of one large square matmul: the roofline the engine is measured against."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
+
+
+def model_flops(cfg: dict, workload: Workload) -> float:
+    """Useful FLOPs of the workload: every prompt and generated token through the layers, causal
+    attention over its context, and the LM head only where a token is sampled."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    d = cfg.get("head_dim") or h // heads
+    layers, vocab = cfg["num_hidden_layers"], cfg["vocab_size"]
+    per_token = 2 * layers * (h * (heads + 2 * kv) * d + heads * d * h + 3 * h * i)
+    attn_per_ctx = 4 * layers * heads * d  # QK^T and PV, per (query, key) pair
+    total = 0.0
+    for prompt, out in zip(workload.prompts, workload.output_lens, strict=True):
+        n = len(prompt) + out - 1  # tokens that go through the model
+        total += n * per_token + attn_per_ctx * n * (n + 1) / 2 + 2 * h * vocab * out
+    return total
+
+
+def run_stepscope(
+    model: str,
+    workload: Workload,
+    args: argparse.Namespace,
+    executor: str = "uni",
+    trace_db: str | None = None,
+) -> float:
+    from stepscope.engine.entrypoints.llm import LLM
+    from stepscope.engine.sampling_params import SamplingParams
+
+    llm = LLM(
+        model=model,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        executor=executor,
+        trace_db=trace_db,
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
+    # Warm-up: first touches of the allocator and the KV pool are not what we measure.
+    llm.generate(workload.prompts[:4], params[:4], use_tqdm=False)
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate(workload.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert got == workload.num_output_tokens, (got, workload.num_output_tokens)
+    cfg = llm.config
+    stats = llm.get_stats()
+    print(
+        f"  stepscope ({executor}): budget {cfg.max_num_batched_tokens} tokens/step, "
+        f"max_num_seqs {cfg.max_num_seqs}, {stats['num_kv_blocks']} KV blocks, "
+        f"{stats['num_steps']} steps, {stats['num_preemptions']} preemptions"
+    )
+    if "crossing_median_s" in stats:
+        print(
+            "  median core -> worker -> core crossing per step: "
+            f"{stats['crossing_median_s'] * 1e6:.0f} us"
+        )
+    llm.shutdown()
+    return elapsed
+
+
+def run_transformers(model_dir, workload: Workload, batch_size: int) -> float:
+    """Length-sorted static batches, left-padded; each batch runs to its longest output."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = model.generation_config.pad_token_id or 0
+    order = sorted(range(len(workload.prompts)), key=lambda r: len(workload.prompts[r]))
+    start = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        batch = order[b : b + batch_size]
+        width = max(len(workload.prompts[r]) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            p = workload.prompts[r]
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(workload.output_lens[r] for r in batch)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+    return time.perf_counter() - start
+
+
+def bench_offline(args: argparse.Namespace) -> None:
+    from stepscope.engine.models.loader import load_config, resolve_model
+
+    model_dir = resolve_model(args.model)
+    cfg = load_config(model_dir)
+    workload = make_workload(
+        args.num_requests,
+        (args.min_prompt, args.max_prompt),
+        (args.min_output, args.max_output),
+        cfg["vocab_size"],
+        args.seed,
+    )
+    n_prompt = sum(len(p) for p in workload.prompts)
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; model {args.model}, float32"
+    )
+    print(
+        f"workload: {args.num_requests} requests (seed {args.seed}), prompts "
+        f"{args.min_prompt}-{args.max_prompt} tokens ({n_prompt} in all), outputs "
+        f"{args.min_output}-{args.max_output} ({workload.num_output_tokens} in all), greedy, "
+        "ignore_eos"
+    )
+    peak = matmul_peak_gflops()
+    print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 float32)")
+    flops = model_flops(cfg, workload)
+    repeat = args.repeat
+    runs = alternating(args.tracing.split(","), repeat)
+    seconds: dict[str, list[float]] = {}
+    for executor in args.executor.split(","):
+        for rep, tracing in runs:
+            trace_db = None
+            if tracing == "on":
+                folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-"))
+                trace_db = str(folder / "trace.duckdb")
+            label = executor if args.tracing == "off" else f"{executor}, tracing {tracing}"
+            elapsed = run_stepscope(args.model, workload, args, executor, trace_db)
+            seconds.setdefault(label, []).append(elapsed)
+            mfu = flops / elapsed / 1e9 / peak
+            run = f" run {rep + 1}" if repeat > 1 else ""
+            print(
+                f"stepscope ({label}){run}: {elapsed:8.1f} s  "
+                f"{workload.num_output_tokens / elapsed:7.1f} output tok/s  MFU {mfu:.0%}",
+                flush=True,
+            )
+    # Throughput of a setting over all its runs: every token it generated over all its time.
+    results = {
+        label: workload.num_output_tokens * len(times) / sum(times)
+        for label, times in seconds.items()
+    }
+    if repeat > 1:
+        for label, rate in results.items():
+            spread = [workload.num_output_tokens / t for t in seconds[label]]
+            print(
+                f"stepscope ({label}) over {repeat} runs: {rate:7.1f} output tok/s "
+                f"(runs {min(spread):.1f}-{max(spread):.1f})"
+            )
+    for tracing in args.tracing.split(","):
+        suffix = "" if args.tracing == "off" else f", tracing {tracing}"
+        uni, mp = results.get(f"uni{suffix}"), results.get(f"mp{suffix}")
+        if uni and mp:
+            print(f"ratio mp / uni{suffix}: {mp / uni:.3f}x")
+    for executor in args.executor.split(","):
+        on, off = results.get(f"{executor}, tracing on"), results.get(f"{executor}, tracing off")
+        if on and off:
+            print(f"ratio tracing on / off ({executor}): {on / off:.3f}x")
+    tps_ss = max(results.values())
+    if args.skip_transformers:
+        return
+    t_hf = run_transformers(model_dir, workload, args.hf_batch_size)
+    tps_hf = workload.num_output_tokens / t_hf
+    print(
+        f"transformers: {t_hf:8.1f} s  {tps_hf:7.1f} output tok/s  "
+        f"(static batches of {args.hf_batch_size}, length-sorted)"
+    )
+    print(f"ratio stepscope / transformers: {tps_ss / tps_hf:.2f}x")

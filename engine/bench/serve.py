@@ -1,0 +1,520 @@
+"""`stepscope bench serve`: the standard workload replayed against a running OpenAI-compatible
+server over streaming /v1/completions, from the client's side of stage 1 and stage 10 of the
+request path. Closed loop (a fixed number of clients) or open loop (seeded Poisson arrivals).
+Prints the numbers `vllm bench serve` prints and, with --compare-offline, the ratio of the
+server's output throughput to the offline engine's on the same workload in the same run.
+
+With `--tracing off,on` (instead of `--url`) it starts a fresh `stepscope serve` for each tracing
+setting (`off` is `--no-trace`, `requests` is `--trace-steps off`, `on` traces every step), runs
+the workload against each in turn, `--repeat` times in alternating order, and prints the ratio of
+their output throughput: what tracing costs a server, measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from stepscope.engine.bench.offline import Workload, alternating, make_workload
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int  # position in the workload
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2el_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)  # gaps between streamed chunks
+
+
+@dataclass(slots=True)
+class LatencyStats:
+    mean_ms: float
+    median_ms: float
+    p99_ms: float
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> LatencyStats:
+        if not seconds:
+            return cls(0.0, 0.0, 0.0)
+        ms = np.asarray(seconds) * 1000
+        return cls(float(ms.mean()), float(np.median(ms)), float(np.percentile(ms, 99)))
+
+
+@dataclass(slots=True)
+class BenchResult:
+    completed: int
+    failed: int
+    errors: dict[str, int]  # error message -> how many requests failed with it
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float  # successful requests / s
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # (input + output) tokens / s
+    ttft: LatencyStats
+    tpot: LatencyStats  # per request, excluding the first token
+    itl: LatencyStats  # per streamed chunk, over all requests
+    e2el: LatencyStats
+    concurrency: int | None
+    request_rate: float | None
+    requests: list[RequestResult]
+    # Prompt tokens the server looked up in / found in its prefix cache during the run, from its
+    # /metrics; None where the server does not export them. Hits mean prefill was skipped, as
+    # when the same seed is replayed against a server that still holds the last run's blocks.
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+
+
+def run_bench_serve(
+    url: str,
+    workload: Workload,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    api_key: str | None = None,
+    model: str | None = None,
+    seed: int = 0,
+) -> BenchResult:
+    """Replay `workload` against the server at `url` (e.g. http://127.0.0.1:8000).
+
+    `concurrency`: that many clients, each sending its next request when the last one ends.
+    `request_rate`: Poisson arrivals at that many requests/s, seeded by `seed`. Neither: every
+    request at once. `model` defaults to the first model the server lists. Safe to call from a
+    notebook, whose event loop is already running.
+    """
+    coro = bench_serve_async(url, workload, concurrency, request_rate, api_key, model, seed)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+async def bench_serve_async(
+    url: str,
+    workload: Workload,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    api_key: str | None = None,
+    model: str | None = None,
+    seed: int = 0,
+) -> BenchResult:
+    if concurrency is not None and request_rate is not None:
+        raise ValueError("give either concurrency or request_rate, not both")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    if request_rate is not None and request_rate <= 0:
+        raise ValueError(f"request_rate must be positive, got {request_rate}")
+    if concurrency is None and request_rate is None:
+        concurrency = len(workload.prompts)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # Requests may queue behind a saturated batch for minutes; only connecting must be quick.
+    timeout = httpx.Timeout(600.0, connect=30.0, pool=None)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=limits
+    ) as client:
+        model = model or await served_model(client)
+        # One request first, so that connection set-up and first touches are not measured. Its
+        # prompt is a reshuffle, so the prefix cache gives the workload nothing from it.
+        warm = random.Random(seed + 1).choices(workload.prompts[0], k=16)
+        first = await stream_completion(client, model, 0, warm, 4)
+        if not first.success:
+            raise ValueError(f"the warm-up request to {url} failed: {first.error}")
+
+        before = await prefix_cache_counters(client)
+        start = time.perf_counter()
+        if request_rate is None:
+            results = await _closed_loop(client, model, workload, concurrency)
+        else:
+            results = await _open_loop(client, model, workload, request_rate, seed)
+        duration = time.perf_counter() - start
+        after = await prefix_cache_counters(client)
+    res = summarize(results, duration, concurrency, request_rate)
+    if before and after:
+        res.prefix_cache_queries = after[0] - before[0]
+        res.prefix_cache_hits = after[1] - before[1]
+    return res
+
+
+async def served_model(client: httpx.AsyncClient) -> str:
+    try:
+        r = await client.get("/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"cannot list the models of {client.base_url}: {e!r}") from e
+
+
+async def prefix_cache_counters(client: httpx.AsyncClient) -> tuple[int, int] | None:
+    """(prompt tokens looked up, prompt tokens found) so far, from the server's /metrics."""
+    names = ("stepscope:prefix_cache_queries_total", "stepscope:prefix_cache_hits_total")
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in r.text.splitlines() if r.status_code == 200 else []:
+        name, _, value = line.partition("{")
+        if name in names:
+            values[name] = int(float(value.rsplit(" ", 1)[1]))
+    return (values[names[0]], values[names[1]]) if len(values) == 2 else None
+
+
+async def _closed_loop(
+    client: httpx.AsyncClient, model: str, workload: Workload, concurrency: int
+) -> list[RequestResult]:
+    pending = iter(range(len(workload.prompts)))
+    results: list[RequestResult] = []
+
+    async def user() -> None:
+        for i in pending:  # the iterator is shared: each index goes to exactly one user
+            results.append(
+                await stream_completion(
+                    client, model, i, workload.prompts[i], workload.output_lens[i]
+                )
+            )
+
+    await asyncio.gather(*(user() for _ in range(concurrency)))
+    return results
+
+
+async def _open_loop(
+    client: httpx.AsyncClient, model: str, workload: Workload, rate: float, seed: int
+) -> list[RequestResult]:
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    arrival = 0.0
+    tasks = []
+    for i, prompt in enumerate(workload.prompts):
+        await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+        tasks.append(
+            asyncio.create_task(
+                stream_completion(client, model, i, prompt, workload.output_lens[i])
+            )
+        )
+        arrival += rng.expovariate(rate)
+    return list(await asyncio.gather(*tasks))
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, model: str, index: int, prompt: list[int], max_tokens: int
+) -> RequestResult:
+    """One streamed completion; every failure is recorded in the result, never raised."""
+    body = {
+        "model": model,
+        "prompt": prompt,  # token ids, so the prompt length is exact
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    res = RequestResult(index, len(prompt))
+    chunk_times: list[float] = []
+    usage_tokens = None
+    done = False
+    sent = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {_error_message(text)}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    res.error = f"stream error: {event['error'].get('message', event['error'])}"
+                    return res
+                if event.get("choices"):
+                    chunk_times.append(time.perf_counter())
+                if event.get("usage"):
+                    usage_tokens = event["usage"]["completion_tokens"]
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    if not done or not chunk_times:
+        res.error = "stream ended without [DONE]" if not done else "stream carried no tokens"
+        return res
+    res.success = True
+    res.output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
+    res.ttft_s = chunk_times[0] - sent
+    res.e2el_s = chunk_times[-1] - sent
+    res.itl_s = [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)]
+    return res
+
+
+def _error_message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
+
+
+def summarize(
+    results: list[RequestResult],
+    duration: float,
+    concurrency: int | None,
+    request_rate: float | None,
+) -> BenchResult:
+    results = sorted(results, key=lambda r: r.index)
+    ok = [r for r in results if r.success]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.success:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    n_in = sum(r.prompt_len for r in ok)
+    n_out = sum(r.output_tokens for r in ok)
+    return BenchResult(
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        errors=errors,
+        duration_s=duration,
+        total_input_tokens=n_in,
+        total_output_tokens=n_out,
+        request_throughput=len(ok) / duration,
+        output_throughput=n_out / duration,
+        total_token_throughput=(n_in + n_out) / duration,
+        ttft=LatencyStats.of([r.ttft_s for r in ok]),
+        tpot=LatencyStats.of(
+            [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+        ),
+        itl=LatencyStats.of([gap for r in ok for gap in r.itl_s]),
+        e2el=LatencyStats.of([r.e2el_s for r in ok]),
+        concurrency=concurrency,
+        request_rate=request_rate,
+        requests=results,
+    )
+
+
+def format_result(res: BenchResult) -> str:
+    """The result in the layout of `vllm bench serve`."""
+    lines = [f"{' Serving Benchmark Result ':=^50}"]
+
+    def row(label: str, value: float | int | str) -> None:
+        if isinstance(value, float):
+            lines.append(f"{label:<40} {value:<10.2f}")
+        else:
+            lines.append(f"{label:<40} {value:<10}")
+
+    row("Successful requests:", res.completed)
+    row("Failed requests:", res.failed)
+    if res.request_rate is None:
+        row("Maximum request concurrency:", res.concurrency)
+    else:
+        row("Request rate configured (RPS):", res.request_rate)
+    row("Benchmark duration (s):", res.duration_s)
+    row("Total input tokens:", res.total_input_tokens)
+    row("Total generated tokens:", res.total_output_tokens)
+    row("Request throughput (req/s):", res.request_throughput)
+    row("Output token throughput (tok/s):", res.output_throughput)
+    row("Total Token throughput (tok/s):", res.total_token_throughput)
+    if res.prefix_cache_queries:
+        row(
+            "Prefix cache hits / prompt tokens:",
+            f"{res.prefix_cache_hits} / {res.total_input_tokens}",
+        )
+    for title, short, stats in (
+        ("Time to First Token", "TTFT", res.ttft),
+        ("Time per Output Token (excl. 1st token)", "TPOT", res.tpot),
+        ("Inter-token Latency", "ITL", res.itl),
+        ("End-to-end Latency", "E2EL", res.e2el),
+    ):
+        lines.append(f"{title:-^50}")
+        row(f"Mean {short} (ms):", stats.mean_ms)
+        row(f"Median {short} (ms):", stats.median_ms)
+        row(f"P99 {short} (ms):", stats.p99_ms)
+    lines.append("=" * 50)
+    for message, count in list(res.errors.items())[:5]:
+        lines.append(f"failed x{count}: {message}")
+    return "\n".join(lines)
+
+
+TRACING_SETTINGS = {
+    "off": ["--no-trace"],  # no collector, no spans at all
+    "requests": ["--trace-steps", "off"],  # request spans only
+    "on": ["--trace-steps", "all"],  # every step, worker step and crossing
+}
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    for low, high in ((args.min_prompt, args.max_prompt), (args.min_output, args.max_output)):
+        if not 1 <= low <= high:
+            raise ValueError(f"length ranges must satisfy 1 <= min <= max, got {low}-{high}")
+    if (args.url is None) == (args.tracing is None):
+        raise ValueError("give either --url (a running server) or --tracing (servers started here)")
+    if args.tracing is None:
+        return []
+    settings = [t.strip() for t in args.tracing.split(",")]
+    unknown = [t for t in settings if t not in TRACING_SETTINGS]
+    if unknown or len(set(settings)) != len(settings):
+        raise ValueError(
+            f"--tracing takes distinct values among {', '.join(TRACING_SETTINGS)}, "
+            f"got {args.tracing!r}"
+        )
+    alternating(settings, args.repeat)  # checks --repeat before any server starts
+    return settings
+
+
+def bench_serve(args: argparse.Namespace) -> None:
+    from stepscope.engine.models.loader import load_config, resolve_model
+
+    settings = _check_args(args)
+    if settings:
+        from stepscope.engine.models.loader import DEFAULT_MODEL
+
+        model = args.model or DEFAULT_MODEL
+    else:
+
+        async def name() -> str:
+            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            async with httpx.AsyncClient(base_url=args.url.rstrip("/"), headers=headers) as client:
+                return await served_model(client)
+
+        model = args.model or asyncio.run(name())
+    vocab_size = load_config(resolve_model(model))["vocab_size"]
+    workload = make_workload(
+        args.num_requests,
+        (args.min_prompt, args.max_prompt),
+        (args.min_output, args.max_output),
+        vocab_size,
+        args.seed,
+    )
+    n_prompt = sum(len(p) for p in workload.prompts)
+    where = f"server {args.url}" if args.url else f"servers started here, tracing {args.tracing}"
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cpus; {where}, model {model}")
+    print(
+        f"workload: {args.num_requests} requests (seed {args.seed}), prompts "
+        f"{args.min_prompt}-{args.max_prompt} tokens ({n_prompt} in all), outputs "
+        f"{args.min_output}-{args.max_output} ({workload.num_output_tokens} in all), greedy, "
+        "ignore_eos, streamed"
+    )
+    if settings:
+        results = compare_tracing(model, workload, settings, args)
+        res = results[settings[0]][0]
+    else:
+        res = run_bench_serve(
+            args.url, workload, args.concurrency, args.request_rate, args.api_key, model, args.seed
+        )
+        print(format_result(res))
+        _notes(res, workload)
+    if not args.compare_offline:
+        return
+    # Only now, with the server idle, so that the two never share the cores.
+    from stepscope.engine.bench.offline import run_stepscope
+
+    print(f"{' Offline engine, same workload ':=^50}")
+    elapsed = run_stepscope(model, workload, args)
+    offline = workload.num_output_tokens / elapsed
+    print(f"{'Offline duration (s):':<40} {elapsed:<10.2f}")
+    print(f"{'Offline output token throughput (tok/s):':<40} {offline:<10.2f}")
+    print(f"{'Ratio server / offline output tok/s:':<40} {res.output_throughput / offline:.3f}x")
+    print("=" * 50)
+
+
+def _notes(res: BenchResult, workload: Workload) -> None:
+    if res.completed and res.total_output_tokens != workload.num_output_tokens:
+        print(
+            f"note: {res.total_output_tokens} tokens generated, the workload asks for "
+            f"{workload.num_output_tokens}"
+        )
+    if res.prefix_cache_hits:
+        print(
+            "note: the server's prefix cache skipped the prefill of "
+            f"{res.prefix_cache_hits} prompt tokens; another --seed gives prompts it has not seen"
+        )
+
+
+def _server_args(args: argparse.Namespace, model: str, setting: str, trace_db: Path) -> list[str]:
+    out = ["--model", model, "--tp", str(args.tp), *TRACING_SETTINGS[setting]]
+    if setting != "off":
+        out += ["--trace-db", str(trace_db)]
+    for flag, value in (
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--max-num-seqs", args.max_num_seqs),
+    ):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _count_spans(trace_db: Path) -> int:
+    import duckdb
+
+    with duckdb.connect(str(trace_db), read_only=True) as con:
+        return con.execute("SELECT count(*) FROM spans").fetchone()[0]
+
+
+def compare_tracing(
+    model: str, workload: Workload, settings: list[str], args: argparse.Namespace
+) -> dict[str, list[BenchResult]]:
+    """One fresh `stepscope serve` per tracing setting, the workload against each in turn.
+
+    With `--repeat N` the order alternates (`alternating`). Prints each run, then each
+    setting's output tok/s over all its runs and its ratio to the first setting.
+    """
+    from stepscope.engine.entrypoints.serve import ServerProcess
+
+    results: dict[str, list[BenchResult]] = {s: [] for s in settings}
+    folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-serve-"))
+    for rep, setting in alternating(settings, args.repeat):
+        trace_db = folder / f"{setting}-{rep}.duckdb"
+        server = ServerProcess(*_server_args(args, model, setting, trace_db))
+        try:
+            res = run_bench_serve(
+                server.url,
+                workload,
+                args.concurrency,
+                args.request_rate,
+                None,
+                model,
+                args.seed,
+            )
+        finally:
+            server.stop()
+        results[setting].append(res)
+        spans = ""
+        if setting != "off":
+            spans = f", {_count_spans(trace_db)} spans in its trace file"
+        print(
+            f"tracing {setting:<8} run {rep + 1}: {res.duration_s:7.1f} s  "
+            f"{res.output_throughput:6.1f} output tok/s  TTFT p50 {res.ttft.median_ms:7.0f} ms"
+            f"  TPOT p50 {res.tpot.median_ms:5.0f} ms  failed {res.failed}{spans}",
+            flush=True,
+        )
+        _notes(res, workload)
+    print(format_result(results[settings[0]][0]))
+    base = settings[0]
+
+    def tok_s(setting: str) -> float:
+        runs = results[setting]
+        return sum(r.total_output_tokens for r in runs) / sum(r.duration_s for r in runs)
+
+    for setting in settings:
+        line = f"tracing {setting}: {tok_s(setting):.1f} output tok/s over {args.repeat} run(s)"
+        if setting != base:
+            line += f"; ratio tracing {setting} / {base}: {tok_s(setting) / tok_s(base):.3f}x"
+        print(line)
+    return results

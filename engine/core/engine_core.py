@@ -1,0 +1,208 @@
+"""The engine core: schedule -> execute -> update, one step at a time (stages 3 to 8).
+
+In-process here (offline `LLM`); the busy loop and ZMQ sockets wrap this same object when the
+core runs in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+from opentelemetry.trace import SpanContext
+
+from stepscope.engine.config import EngineConfig
+from stepscope.engine.core.kv_cache_manager import KVCacheManager
+from stepscope.engine.core.request import Request, RequestStatus
+from stepscope.engine.core.scheduler import Scheduler
+from stepscope.engine.executor.abstract import Executor
+from stepscope.engine.executor.uniproc_executor import UniProcExecutor
+from stepscope.engine.messages import EngineCoreOutputs, EngineCoreRequest, ProcessInfo
+from stepscope.engine.metrics import TOKENS_PER_STEP_BUCKETS, Histogram
+from stepscope.engine.models.loader import load_config
+from stepscope.traces import names
+from stepscope.traces.setup import flush_tracing
+from stepscope.traces.spans import child_span, ended_child_span, request_link, step_span
+
+logger = logging.getLogger(__name__)
+
+
+def make_executor(config: EngineConfig, model_dir: Path) -> Executor:
+    if config.executor == "mp":
+        from stepscope.engine.executor.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, model_dir, config.tensor_parallel_size)
+    return UniProcExecutor(config, model_dir)
+
+
+def max_model_len_for(config: EngineConfig, model_dir: Path) -> int:
+    limit = load_config(model_dir).get("max_position_embeddings", 2048)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} positions"
+        )
+    return config.max_model_len
+
+
+def fit_max_model_len(
+    model_len: int, num_kv_blocks: int, block_size: int, explicit: int | None
+) -> int:
+    """The longest request the KV pool can hold alone, as the engine's context length.
+
+    A request longer than the pool could never be admitted (or, grown there by decoding, never
+    re-admitted after preempting itself), and the busy loop would spin on it for good. As vLLM
+    does, a context the user asked for is refused; the model's own default is lowered to fit.
+    """
+    capacity = num_kv_blocks * block_size
+    if model_len <= capacity:
+        return model_len
+    if explicit is not None:
+        raise ValueError(
+            f"max_model_len {explicit} does not fit in the KV cache: {num_kv_blocks} blocks of "
+            f"{block_size} tokens hold {capacity} tokens; raise num_kv_blocks to at least "
+            f"{-(-explicit // block_size)} (--num-kv-blocks) or lower max_model_len to {capacity}"
+        )
+    logger.warning(
+        "the KV cache holds %d tokens (%d blocks of %d), fewer than the model's %d positions: "
+        "max_model_len lowered to %d (raise --num-kv-blocks for longer contexts)",
+        capacity, num_kv_blocks, block_size, model_len, capacity,
+    )  # fmt: skip
+    return capacity
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, executor: Executor | None = None
+    ) -> None:
+        self.config = config
+        model_len = max_model_len_for(config, model_dir)
+        self.executor = executor or make_executor(config, model_dir)
+        self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+        self.max_model_len = fit_max_model_len(
+            model_len, self.num_kv_blocks, config.block_size, explicit=config.max_model_len
+        )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            self.executor.shutdown()
+            raise ValueError(
+                f"without chunked prefill every prompt must fit in one step: "
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}); raise the budget or lower max_model_len"
+            )
+        self.executor.init_kv_cache(self.num_kv_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        # Request span contexts, so that each step span links to the requests it served.
+        self.request_links: dict[str, SpanContext] = {}
+        # core -> worker -> core time per step, less the worker's own execute (mp executor only).
+        self.crossing_seconds: deque[float] = deque(maxlen=10_000)
+        self.last_step_ran = False
+        self.step_tokens = Histogram(
+            "stepscope:tokens_per_step", "Tokens scheduled per step.", TOKENS_PER_STEP_BUCKETS
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        link = request_link(request.trace_context)
+        if link is not None:
+            self.request_links[request.request_id] = link
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                block_size=self.config.block_size,
+                arrival_time=request.arrival_time,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in request_ids:
+            self.request_links.pop(req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """One step: schedule -> execute -> update. A step that schedules nothing does not
+        happen: no executor call, no span (`last_step_ran` says which it was)."""
+        t0 = time.time_ns()
+        scheduler_output = self.scheduler.schedule()
+        t1 = time.time_ns()
+        self.last_step_ran = bool(
+            scheduler_output.total_num_scheduled_tokens or scheduler_output.preempted_req_ids
+        )
+        if not self.last_step_ran:
+            return EngineCoreOutputs(outputs=[], timestamp=time.time())
+        with step_span(step=scheduler_output.step, start_ns=t0) as span:
+            ended_child_span(names.SCHEDULE, t0, t1)
+            span.record(
+                self.scheduler.last_stats,
+                scheduler_output.num_scheduled_tokens,
+                links=self.request_links,
+                kv_total_blocks=self.num_kv_blocks,
+            )
+            if scheduler_output.total_num_scheduled_tokens:
+                self.step_tokens.observe(scheduler_output.total_num_scheduled_tokens)
+            with child_span(names.EXECUTE):
+                runner_output = self.executor.execute_model(scheduler_output)
+            crossing = getattr(self.executor, "last_crossing_seconds", None)
+            if crossing is not None:
+                self.crossing_seconds.append(crossing)
+            with child_span(names.UPDATE):
+                outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.request_links.pop(out.request_id, None)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def flush_traces(self) -> bool:
+        """Export every span this process and its workers have ended so far."""
+        self.executor.flush_traces()
+        return flush_tracing()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> dict:
+        """Counters for /metrics and the dashboard."""
+        s, kv = self.scheduler, self.kv_cache_manager
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "kv_cache_usage": kv.usage,
+            "num_kv_blocks": self.num_kv_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "prefix_queries": kv.prefix_queries,
+            "prefix_hits": kv.prefix_hits,
+            "num_preemptions": s.num_preemptions,
+            "num_steps": s.step_index,
+            "num_busy_steps": self.step_tokens.count,
+            "step_tokens_counts": self.step_tokens.counts,
+            "step_tokens_sum": self.step_tokens.total,
+            **(
+                {"crossing_median_s": statistics.median(self.crossing_seconds)}
+                if self.crossing_seconds
+                else {}
+            ),
+        }
+
+    def worker_processes(self) -> list[ProcessInfo]:
+        """Worker processes of a multiprocess executor (none when the worker runs in here)."""
+        return [ProcessInfo(role, rank, pid) for role, rank, pid in self.executor.processes()]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

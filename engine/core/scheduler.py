@@ -1,0 +1,327 @@
+"""The scheduler: one token budget per step, shared by running and waiting requests (stage 3).
+
+`schedule()` decides how many tokens each request adds this step; `update_from_output()` takes
+the sampled tokens back and checks token-level stop conditions. No tensors here: the worker
+owns those.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from stepscope.engine.core.kv_cache_manager import KVCacheManager
+from stepscope.engine.core.request import Request, RequestStatus
+from stepscope.engine.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    Logprob,
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobs,
+    SchedulerOutput,
+)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What the last `schedule()` decided, for traces and the dashboard."""
+
+    step: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    token_budget: int = 0
+    kv_free_before: int = 0
+    kv_free_after: int = 0
+    prefix_hit_tokens: int = 0
+    preempted: tuple[str, ...] = ()
+    finished: tuple[str, ...] = ()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.finished_req_ids: set[str] = set()
+        self.step_index = 0
+        self.num_preemptions = 0
+        self.last_stats = StepStats()
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if request.num_tokens >= self.max_model_len:
+            # Checked at the edge already; here it keeps the busy loop from holding a request
+            # it could never schedule.
+            raise ValueError(
+                f"the prompt has {request.num_tokens} tokens, but the context is "
+                f"{self.max_model_len} tokens"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string): free their blocks."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.events.finished = time.time()
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        kv_free_before = self.kv.num_free_blocks
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        num_decode = num_prefill = prefix_hit_tokens = 0
+        now = time.time()
+
+        # Pass 1: running requests catch up (a decode needs 1 token, a chunked prefill more).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(n, self.max_model_len - request.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while (blocks := self.kv.allocate_slots(request, n)) is None:
+                victim = self.running.pop()
+                self._preempt(victim, now)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:
+                break
+            num_scheduled[request.request_id] = n
+            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            scheduled_running.append(request)
+            budget -= n
+            i += 1
+
+        # Pass 2: admit waiting requests while budget, blocks and max_num_seqs allow.
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = request.num_tokens - num_hit_tokens
+            if not self.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            blocks = self.kv.allocate_slots(request, n, num_hit_tokens, hits)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.events.first_scheduled is None:
+                request.events.first_scheduled = now
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            prefix_hit_tokens += num_hit_tokens
+            num_scheduled[request.request_id] = n
+            scheduled_new.append(request)
+            budget -= n
+
+        for request in scheduled_running + scheduled_new:
+            n = num_scheduled[request.request_id]
+            # A step that brings a request level with its known tokens, one at a time, is a
+            # decode; anything longer is (part of) a prefill or recompute.
+            if n == 1 and request.num_output_tokens > 0:
+                num_decode += 1
+            else:
+                num_prefill += n
+
+        self.last_stats = StepStats(
+            step=self.step_index,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_decode_tokens=num_decode,
+            num_prefill_tokens=num_prefill,
+            token_budget=self.max_num_batched_tokens,
+            kv_free_before=kv_free_before,
+            kv_free_after=self.kv.num_free_blocks,
+            prefix_hit_tokens=prefix_hit_tokens,
+            preempted=tuple(r.request_id for r in preempted),
+            finished=tuple(sorted(self.finished_req_ids)) if num_scheduled or preempted else (),
+        )
+        if not num_scheduled and not preempted:
+            # Nothing to run: no step happens. Requests finished meanwhile (aborts) wait for the
+            # next real step to tell the workers, and the step index does not move.
+            return SchedulerOutput(
+                step=self.step_index,
+                scheduled_new_reqs=[],
+                scheduled_cached_reqs=CachedRequestData(req_ids=[], new_block_ids=[],
+                                                        num_computed_tokens=[]),
+                num_scheduled_tokens={},
+                total_num_scheduled_tokens=0,
+                finished_req_ids=[],
+                preempted_req_ids=[],
+            )  # fmt: skip
+
+        output = SchedulerOutput(
+            step=self.step_index,
+            scheduled_new_reqs=[
+                NewRequestData(
+                    req_id=r.request_id,
+                    token_ids=list(r.all_token_ids),
+                    sampling_params=r.sampling_params,
+                    block_ids=self.kv.block_ids(r.request_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                    num_prompt_tokens=r.num_prompt_tokens,
+                )
+                for r in scheduled_new
+            ],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in scheduled_running],
+                new_block_ids=[new_blocks[r.request_id] for r in scheduled_running],
+                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+            ),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=sorted(self.finished_req_ids),
+            preempted_req_ids=[r.request_id for r in preempted],
+        )
+        self.finished_req_ids.clear()
+        self.step_index += 1
+        # Progress is booked when scheduled, so the next schedule() sees these tokens as computed.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _preempt(self, request: Request, now: float) -> None:
+        """Recompute preemption: free the blocks, forget progress, go to the head of waiting."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.events.preempted.append(now)
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens and stop requests that hit EOS, a stop token or a length limit."""
+        outputs: list[EngineCoreOutput] = []
+        now = time.time()
+        for req_id, chunk in runner_output.prompt_logprobs.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                _gather_prompt_logprobs(request, chunk)
+        for req_id, sampled in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is None or not sampled:
+                continue  # finished meanwhile (abort), or mid-prefill
+            new_tokens: list[int] = []
+            for token in sampled:
+                request.append_output_token(token)
+                new_tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
+            if request.events.first_token is None:
+                request.events.first_token = now
+            logprobs = []
+            if req_id in runner_output.logprobs:
+                logprobs = [
+                    Logprob(runner_output.logprob_token_ids[req_id], runner_output.logprobs[req_id])
+                ]
+            events: dict[str, float] = {}
+            prompt_logprobs: list[Logprob] = []
+            if request.num_output_tokens == len(new_tokens):  # the first tokens
+                prompt_logprobs = request.prompt_logprobs
+                events = {"queued": request.events.arrival}
+                if request.events.first_scheduled is not None:
+                    events["scheduled"] = request.events.first_scheduled
+                events["first_token"] = now
+            finish_reason = None
+            stop_reason = None
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                finish_reason = request.finish_reason
+                stop_reason = token if token in request.sampling_params.stop_token_ids else None
+                events["finished"] = now
+                if request.events.preempted:
+                    events["preempted"] = request.events.preempted[-1]
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_tokens,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                    new_logprobs=logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    events=events,
+                    num_preemptions=request.num_preemptions,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def _gather_prompt_logprobs(request: Request, chunk: PromptLogprobs) -> None:
+    """Add one step's prompt logprobs to the request's, skipping positions it already has (a
+    request preempted mid-prompt computes its prompt again)."""
+    have = 1 + len(request.prompt_logprobs)  # position 0 has no logprob
+    for i in range(max(have - chunk.start, 0), len(chunk.token_ids)):
+        request.prompt_logprobs.append(Logprob(chunk.token_ids[i], chunk.logprobs[i]))

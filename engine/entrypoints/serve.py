@@ -1,0 +1,155 @@
+"""`stepscope serve`: the API server process, which starts the engine core and its workers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from stepscope.engine.entrypoints.api_server import build_app
+from stepscope.engine.frontend.async_llm import AsyncLLM
+from stepscope.traces import names
+from stepscope.traces.collector import start_collector_process, stop_collector_process
+from stepscope.traces.process import PARENT_ENV, free_port, watch_parent_from_env
+from stepscope.traces.setup import init_process_tracing, shutdown_tracing
+
+
+def default_trace_db() -> Path:
+    return Path("runs") / f"serve-{time.strftime('%Y%m%d-%H%M%S')}.duckdb"
+
+
+def serve(args: argparse.Namespace) -> None:
+    watch_parent_from_env()  # started by the demo or a benchmark: end with it
+    tracing = not args.no_trace
+    if not tracing and (args.trace_db or args.otlp_endpoint or args.dashboard_port is not None):
+        raise ValueError(
+            "--no-trace records nothing: drop --trace-db, --otlp-endpoint and "
+            "--dashboard-port, or drop --no-trace"
+        )
+    engine_args = dict(
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        executor=args.executor,
+        tensor_parallel_size=args.tp,
+        otlp_endpoint=args.otlp_endpoint,
+        trace_steps=args.trace_steps,
+    )
+    name = args.served_model_name or args.model
+    # Validate the configuration before anything starts, so a typo fails fast and clearly.
+    from stepscope.engine.config import EngineConfig
+
+    EngineConfig(model=args.model, offline=False, **engine_args)
+    if not tracing:
+        _run(args, engine_args, name)
+        return
+    trace_db = Path(args.trace_db) if args.trace_db else default_trace_db()
+    trace_db.parent.mkdir(parents=True, exist_ok=True)
+    # The collector owns the trace file while we run; every process sends it spans over OTLP.
+    extensions = list(args.collector_extensions)
+    if args.dashboard_port is not None:
+        # The live dashboard runs inside the collector, which owns the trace file.
+        os.environ["STEPSCOPE_DASHBOARD_PORT"] = str(args.dashboard_port)
+        extensions.append("stepscope.viz.dashboard:mount_on_collector")
+    collector, collector_url = start_collector_process(str(trace_db), extensions=extensions)
+    engine_args["collector_endpoint"] = collector_url
+    init_process_tracing(
+        names.SERVICE_API,
+        collector_endpoint=collector_url,
+        otlp_endpoint=args.otlp_endpoint,
+        trace_steps=args.trace_steps,
+    )
+    print(f"stepscope: traces -> {trace_db} (collector {collector_url})", flush=True)
+    if args.dashboard_port is not None:
+        print(f"stepscope: dashboard on http://127.0.0.1:{args.dashboard_port}", flush=True)
+    try:
+        _run(args, engine_args, name)
+    finally:
+        try:
+            dropped = shutdown_tracing()
+        finally:
+            stop_collector_process(collector)
+        note = f", {dropped} spans dropped in the API process" if dropped else ""
+        print(f"stepscope: trace saved to {trace_db}{note}", flush=True)
+
+
+def _run(args: argparse.Namespace, engine_args: dict, name: str) -> None:
+    """Serve the OpenAI API until SIGINT/SIGTERM."""
+    app = build_app(
+        lambda: AsyncLLM(args.model, **engine_args),
+        model_name=name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+    )
+    note = "" if not args.no_trace else " (--no-trace: no spans recorded)"
+    print(f"stepscope: serving {name} on http://{args.host}:{args.port}/v1{note}", flush=True)
+    # uvicorn shuts down cleanly on SIGINT and SIGTERM; a hang-up (the terminal closed) should
+    # too, rather than end this process before it stops its engine and flushes the trace.
+    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+    )
+
+
+class ServerProcess:
+    """`stepscope serve ARGS` in a child process on loopback, waited for until /health answers.
+
+    Used by `make demo` and by `stepscope bench serve --tracing`, which starts one server per
+    tracing setting. It runs in its own session; `stop()` sends SIGINT, as Ctrl-C would (the
+    server flushes its trace), and kills the whole group (engine core, workers, collector) if
+    that does not end it.
+    """
+
+    def __init__(self, *serve_args: str, port: int | None = None, timeout: float = 600) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "stepscope.engine.entrypoints.cli", "serve",
+                    "--port", str(self.port), *serve_args]  # fmt: skip
+        # Its own session, so a Ctrl-C meant for the caller's terminal is ours to pass on; and
+        # told our pid, so that it stops itself if we are killed before we can stop it.
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stepscope serve exited with code {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"stepscope serve did not answer /health within {timeout:.0f} s")
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()

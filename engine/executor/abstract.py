@@ -1,0 +1,37 @@
+"""The executor interface: how the engine core reaches its workers (core -> worker -> core).
+
+Two implementations: `UniProcExecutor` (uniproc_executor.py) and `MultiprocExecutor`
+(multiproc_executor.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
+from stepscope.traces.setup import flush_tracing
+
+
+class Executor(ABC):
+    @abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks the KV pool can hold on every worker."""
+
+    @abstractmethod
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV pool on every worker."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; one rank's output comes back."""
+
+    def shutdown(self) -> None:  # noqa: B027 - an in-process worker has nothing to stop
+        """Stop the workers."""
+
+    def processes(self) -> list[tuple[str, int, int]]:
+        """(role, rank, pid) of each worker process this executor started."""
+        return []
+
+    def flush_traces(self) -> None:
+        """Export the spans the workers have ended so far."""
+        flush_tracing()

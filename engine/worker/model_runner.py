@@ -1,0 +1,254 @@
+"""The model runner: per-request state kept across steps, input preparation, forward, sampling
+(worker, stage 6). It applies the scheduler's diffs and knows nothing of queues.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stepscope.engine.config import EngineConfig
+from stepscope.engine.messages import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from stepscope.engine.models.llama import LlamaModel, LlamaShape
+from stepscope.engine.models.loader import load_config
+from stepscope.engine.sampling_params import SamplingParams
+from stepscope.engine.worker.attention import AttentionMetadata, SeqInfo, make_attention_backend
+from stepscope.engine.worker.sampler import Sampler
+from stepscope.traces import names
+from stepscope.traces.spans import child_span
+
+CPU_KV_CACHE_MAX_BYTES = 2 * 2**30  # default cap of the CPU KV pool, as vLLM's CPU backend caps it
+PROMPT_SCORING_ROWS = 256  # prompt positions scored at once (256 x vocab float32 logits)
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    num_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One step's inputs, flattened across requests."""
+
+    order: list[str]  # request ids in batch order
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flat row of the last token of each request that samples
+    sample_states: list[CachedRequestState]
+    # Requests that score their prompt: (state, flat row of the chunk's first token, its position)
+    prompt_scoring: list[tuple[CachedRequestState, int, int, int]]
+
+
+def available_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce=None,
+    ) -> None:
+        from safetensors.torch import load_file
+
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.shape = LlamaShape.from_hf_config(load_config(model_dir))
+        self.attn = make_attention_backend(config.attention_backend, self.block_size, self.device)
+        weights = load_file(str(model_dir / "model.safetensors"))
+        self.model = LlamaModel(
+            self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce
+        )
+        self.tp_size = tp_size
+        self.num_kv_heads = self.shape.num_kv_heads // tp_size
+        self.sampler = Sampler(self.device, config.seed)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- KV cache memory -----------------------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        s = self.shape
+        return 2 * s.num_layers * self.block_size * self.num_kv_heads * s.head_dim * elem
+
+    def determine_num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        fraction = self.config.kv_cache_memory_fraction
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * (fraction or 0.85))
+        else:
+            avail = available_memory_bytes()
+            budget = int(avail * fraction) if fraction else min(CPU_KV_CACHE_MAX_BYTES, avail // 4)
+            budget //= self.tp_size  # tensor-parallel ranks on a CPU share this host's memory
+        return max(budget // self.kv_block_bytes(), 1)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        s = self.shape
+        shape = (num_blocks, self.block_size, self.num_kv_heads, s.head_dim)
+        # Zeroed, not empty: padded key slots are read (then masked), and garbage could be NaN.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(s.num_layers)
+        ]
+
+    # ---- one step --------------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            gen = None
+            if new.sampling_params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(new.sampling_params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id,
+                list(new.token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+                gen,
+                new.num_prompt_tokens,
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        with child_span(names.PREPARE_INPUTS):
+            self._update_states(so)
+            batch = self._prepare_inputs(so)
+        if batch is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        with child_span(names.FORWARD):
+            hidden = self.model.forward(
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta
+            )
+        with child_span(names.SAMPLE):
+            return self._sample(batch, hidden)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _Batch | None:
+        """Flatten the scheduled tokens of every request into one batch (decodes first, so that
+        attention treats them as one contiguous, unpadded group)."""
+        order = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
+        order.sort(key=lambda r: so.num_scheduled_tokens[r] > 1)
+        if not order:
+            return None
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        seqs: list[SeqInfo] = []
+        sample_rows: list[int] = []  # flat row of the last token of each request that samples
+        sample_states: list[CachedRequestState] = []
+        prompt_scoring: list[tuple[CachedRequestState, int, int, int]] = []
+        for req_id in order:
+            st = self.requests[req_id]
+            n = so.num_scheduled_tokens[req_id]
+            start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            # Rows at positions p < prompt length - 1 predict prompt token p + 1.
+            scored_end = min(end, st.num_prompt_tokens - 1)
+            if st.sampling_params.prompt_logprobs is not None and start < scored_end:
+                prompt_scoring.append((st, len(input_ids), start, scored_end))
+            input_ids.extend(st.token_ids[start:end])
+            pos = np.arange(start, end)
+            positions.append(pos)
+            slots.append(np.asarray(st.block_ids)[pos // bs] * bs + pos % bs)
+            seqs.append(SeqInfo(n, end, st.block_ids))
+            st.num_computed_tokens = end
+            if end == len(st.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sample_states.append(st)
+        dev = self.device
+        slot_t = torch.from_numpy(np.concatenate(slots).astype(np.int64))
+        return _Batch(
+            order=order,
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta=self.attn.build_metadata(seqs, slot_t),
+            sample_rows=sample_rows,
+            sample_states=sample_states,
+            prompt_scoring=prompt_scoring,
+        )
+
+    def _sample(self, batch: _Batch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        sampled: dict[str, list[int]] = {}
+        lp_ids: dict[str, list[int]] = {}
+        lps: dict[str, list[float]] = {}
+        if batch.sample_rows:
+            rows = torch.tensor(batch.sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            states = batch.sample_states
+            out = self.sampler(
+                logits, [st.sampling_params for st in states], [st.generator for st in states]
+            )
+            for i, (st, token) in enumerate(zip(states, out.token_ids, strict=True)):
+                st.token_ids.append(token)
+                sampled[st.req_id] = [token]
+                if i in out.logprobs:
+                    lp_ids[st.req_id] = out.logprob_token_ids[i]
+                    lps[st.req_id] = out.logprobs[i]
+        return ModelRunnerOutput(
+            req_ids=batch.order,
+            sampled_token_ids=[sampled.get(r, []) for r in batch.order],
+            logprob_token_ids=lp_ids,
+            logprobs=lps,
+            prompt_logprobs={
+                st.req_id: self._score_prompt(hidden, st, row, start, end)
+                for st, row, start, end in batch.prompt_scoring
+            },
+        )
+
+    def _score_prompt(
+        self, hidden: torch.Tensor, st: CachedRequestState, row: int, start: int, end: int
+    ) -> PromptLogprobs:
+        """Logprobs of prompt tokens start + 1 .. end, from the rows at positions start .. end - 1
+        (flat rows from `row`), with each position's top-N; in slices, as a vocabulary-wide
+        row of float32 logits per token adds up fast."""
+        top_n = st.sampling_params.prompt_logprobs
+        targets = torch.tensor(st.token_ids[start + 1 : end + 1], device=self.device)
+        ids: list[list[int]] = []
+        lps: list[list[float]] = []
+        for a in range(0, end - start, PROMPT_SCORING_ROWS):
+            b = min(a + PROMPT_SCORING_ROWS, end - start)
+            logprobs = self.model.compute_logits(hidden[row + a : row + b]).log_softmax(dim=-1)
+            own = logprobs.gather(1, targets[a:b, None])
+            if top_n:
+                top_vals, top_idx = logprobs.topk(top_n, dim=-1)
+                own_ids = torch.cat([targets[a:b, None], top_idx], dim=1)
+                own = torch.cat([own, top_vals], dim=1)
+            else:
+                own_ids = targets[a:b, None]
+            ids += own_ids.tolist()
+            lps += own.tolist()
+        return PromptLogprobs(start + 1, ids, lps)

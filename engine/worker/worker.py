@@ -1,0 +1,62 @@
+"""A worker: owns one device's memory, the model shard and its KV cache (stage 6).
+
+Sets up the device and threads, then hands each step to its ModelRunner.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from stepscope.engine.config import EngineConfig
+from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
+from stepscope.engine.worker.model_runner import ModelRunner
+from stepscope.traces.setup import flush_tracing
+from stepscope.traces.spans import worker_step_span
+
+
+def keep_freed_memory() -> None:
+    """Make glibc keep freed activation memory instead of returning it to the OS.
+
+    A step's activations are tens of MB; by default glibc serves such blocks with mmap and gives
+    them back on free, so every layer of every step pays page faults to zero fresh pages again.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 31)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        rank: int = 0,
+        world_size: int = 1,
+        all_reduce=None,
+    ) -> None:
+        self.rank = rank
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(config.device))
+        else:
+            keep_freed_memory()
+        self.model_runner = ModelRunner(config, model_dir, rank, world_size, all_reduce)
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.model_runner.determine_num_kv_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.init_kv_cache(num_blocks)
+
+    def flush_traces(self) -> bool:
+        return flush_tracing()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with worker_step_span(scheduler_output.step, self.rank, scheduler_output.trace_context):
+            return self.model_runner.execute_model(scheduler_output)

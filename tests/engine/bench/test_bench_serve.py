@@ -1,0 +1,132 @@
+"""`run_bench_serve` against a real `stepscope serve` process on loopback, in both load modes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from stepscope.engine.bench.offline import Workload, make_workload
+from stepscope.engine.bench.serve import BenchResult, LatencyStats, format_result, run_bench_serve
+from stepscope.engine.models.loader import load_config, resolve_model
+from tests.server_utils import CLI, Server
+
+
+@pytest.fixture(scope="module")
+def vocab() -> int:
+    return load_config(resolve_model("tiny-llama"))["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--model", "tiny-llama", "--num-kv-blocks", "256")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def workload(vocab) -> Workload:
+    return make_workload(8, (8, 32), (4, 16), vocab, seed=0)
+
+
+def assert_sane(res: BenchResult, workload: Workload) -> None:
+    assert res.completed == 8 and res.failed == 0, res.errors
+    assert [r.output_tokens for r in res.requests] == workload.output_lens
+    assert res.total_output_tokens == workload.num_output_tokens
+    assert res.total_input_tokens == sum(len(p) for p in workload.prompts)
+    assert res.duration_s > 0 and res.output_throughput > 0
+    for stats in (res.ttft, res.tpot, res.itl, res.e2el):
+        assert 0 < stats.median_ms <= stats.p99_ms
+        assert stats.mean_ms > 0
+    assert res.ttft.median_ms <= res.e2el.median_ms
+    assert "Successful requests:" in format_result(res)
+
+
+def test_closed_loop_streams_every_requested_token(server, workload) -> None:
+    res = run_bench_serve(server.url, workload, concurrency=3)
+    assert res.concurrency == 3 and res.request_rate is None
+    assert_sane(res, workload)
+
+
+def test_open_loop_poisson_arrivals_stream_every_requested_token(server, workload) -> None:
+    res = run_bench_serve(server.url, workload, request_rate=20.0, seed=1)
+    assert res.request_rate == 20.0
+    assert_sane(res, workload)
+
+
+def test_replayed_workload_reports_prefix_cache_hits(server, vocab) -> None:
+    workload = make_workload(4, (40, 64), (2, 2), vocab, seed=3)
+    first = run_bench_serve(server.url, workload, concurrency=4)
+    again = run_bench_serve(server.url, workload, concurrency=4)
+    assert first.prefix_cache_queries is not None and first.prefix_cache_hits == 0
+    assert again.prefix_cache_hits >= 4 * 32  # at least the first two full blocks of each
+    assert "Prefix cache hits" in format_result(again)
+
+
+def test_failed_request_is_counted_not_raised(server, vocab) -> None:
+    good = make_workload(2, (8, 16), (4, 4), vocab, seed=2)
+    bad_prompt = [vocab + 5] * 8  # out of the vocabulary: HTTP 400
+    workload = Workload([good.prompts[0], bad_prompt, good.prompts[1]], [4, 4, 4])
+    res = run_bench_serve(server.url, workload, concurrency=2)
+    assert res.completed == 2 and res.failed == 1
+    assert not res.requests[1].success and "HTTP 400" in res.requests[1].error
+    assert res.total_output_tokens == 8
+    assert "failed x1: HTTP 400" in format_result(res)
+
+
+def test_both_load_modes_at_once_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="either concurrency or request_rate"):
+        run_bench_serve("http://127.0.0.1:1", Workload([[100]], [1]), 2, 1.0)
+
+
+def test_latency_stats_of_nothing_are_zero() -> None:
+    assert LatencyStats.of([]) == LatencyStats(0.0, 0.0, 0.0)
+
+
+def _bench_cli(tree, *args: str) -> subprocess.CompletedProcess:
+    cmd = [*CLI, "bench", "serve", *args]
+    return tree.run(cmd, timeout=600)
+
+
+def test_tracing_off_and_on_side_by_side_in_one_run(tmp_path, process_tree) -> None:
+    """`--tracing off,on` starts a server per setting, replays the workload on each (twice,
+    in alternating order), and prints the ratio; the traced server's file holds its spans."""
+    out = _bench_cli(
+        process_tree, "--tracing", "off,on", "--repeat", "2", "--model", "tiny-llama",
+        "--num-requests", "6", "--min-prompt", "8", "--max-prompt", "40",
+        "--min-output", "4", "--max-output", "12", "--concurrency", "3",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = re.findall(r"tracing (off|on)\s+run (\d): .* failed (\d+)(.*)", out.stdout)
+    assert [(s, r) for s, r, _, _ in runs] == [("off", "1"), ("on", "1"), ("on", "2"), ("off", "2")]
+    assert all(failed == "0" for _, _, failed, _ in runs)
+    for setting, _, _, tail in runs:
+        spans = re.search(r"(\d+) spans in its trace file", tail)
+        assert (spans is not None) == (setting == "on")
+        if spans:  # 6 requests, their steps, crossings and worker steps
+            assert int(spans.group(1)) > 6 * 4
+    ratio = re.search(r"ratio tracing on / off: (\d+\.\d+)x", out.stdout)
+    assert ratio is not None and float(ratio.group(1)) > 0, out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tracing", "off,on", "--url", "http://127.0.0.1:1"], "either --url"),
+        ([], "either --url"),
+        (["--tracing", "off,loud"], "--tracing takes distinct values"),
+        (["--tracing", "on,on"], "--tracing takes distinct values"),
+        (["--tracing", "off,on", "--repeat", "0"], "--repeat must be at least 1"),
+    ],
+)
+def test_bad_bench_serve_arguments_are_clear_errors(process_tree, args, message) -> None:
+    out = _bench_cli(process_tree, "--model", "tiny-llama", *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_no_trace_refuses_trace_options() -> None:
+    cmd = [*CLI, "serve", "--model", "tiny-llama",
+           "--no-trace", "--trace-db", "x.duckdb"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--no-trace records nothing" in out.stderr, out.stderr

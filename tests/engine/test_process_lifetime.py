@@ -1,0 +1,82 @@
+"""Every process stepscope starts dies with its parent, whatever ends the parent: `stepscope
+serve` (engine core, workers, collector) and `stepscope demo` (the server and all of its)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.server_utils import CLI, free_port
+
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL]
+
+
+def wait_healthy(url: str, proc, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} did not become healthy")
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing listens there: the next server can bind it (as servers do, with SO_REUSEADDR,
+    so that connections still in TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
+def test_serve_takes_its_engine_workers_and_collector_with_it(
+    tmp_path, process_tree, signum
+) -> None:
+    port = free_port()
+    cmd = [*CLI, "serve", "--model", "tiny-llama",
+           "--num-kv-blocks", "64", "--tp", "2", "--port", str(port)]  # fmt: skip
+    serve = process_tree.popen(cmd, cwd=tmp_path)
+    wait_healthy(f"http://127.0.0.1:{port}", serve)
+    children = psutil.Process(serve.pid).children(recursive=True)
+    commands = [" ".join(c.cmdline()) for c in children]
+    # engine core, two workers (multiprocessing spawn children), the trace collector
+    assert any("core_proc" in c for c in commands) and any("collector" in c for c in commands)
+    assert len(children) >= 4, commands
+    serve.send_signal(signum)
+    serve.wait(timeout=60)
+    assert process_tree.wait_gone(timeout=15) == []
+    assert port_is_free(port)
+
+
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name
+)
+def test_demo_stops_its_server_on_every_signal(tmp_path, process_tree, signum) -> None:
+    port, dashboard = free_port(), free_port()
+    cmd = [*CLI, "demo", "--model", "tiny-llama",
+           "--port", str(port), "--dashboard-port", str(dashboard)]  # fmt: skip
+    demo = process_tree.popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    for line in demo.stdout:  # the workload ran; the demo now waits for the user
+        if "The server keeps running" in line:
+            break
+    else:
+        raise AssertionError(f"the demo ended early with {demo.wait()}")
+    assert len(process_tree.alive()) >= 4  # demo, server, engine core, collector
+    demo.send_signal(signum)
+    demo.wait(timeout=90)
+    assert process_tree.wait_gone(timeout=20) == []
+    assert port_is_free(port) and port_is_free(dashboard)
