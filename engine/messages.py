@@ -96,7 +96,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     new_logprobs: list[Logprob] = []
     num_cached_tokens: int = 0
-    events: dict[str, float] = {}  # queued / scheduled / first_token / preempted / finished
+    events: dict[str, float] = {}  # time.time() by `traces.names.RequestEvent`
     num_preemptions: int = 0
     # With the first token: one Logprob per prompt position from 1 on (prompt token first).
     prompt_logprobs: list[Logprob] = []

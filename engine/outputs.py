@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stepscope.traces.names import RequestEvent
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -20,8 +22,8 @@ class RequestMetrics:
         self, events: dict[str, float], num_cached_tokens: int, num_preemptions: int
     ) -> None:
         """Take in what one EngineCoreOutput says about the request's timeline."""
-        self.first_scheduled_time = events.get("scheduled", self.first_scheduled_time)
-        self.first_token_time = events.get("first_token", self.first_token_time)
+        self.first_scheduled_time = events.get(RequestEvent.SCHEDULED, self.first_scheduled_time)
+        self.first_token_time = events.get(RequestEvent.FIRST_TOKEN, self.first_token_time)
         self.num_cached_tokens = num_cached_tokens
         self.num_preemptions = num_preemptions
 

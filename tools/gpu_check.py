@@ -41,22 +41,6 @@ DEFAULT_OUT = ROOT / "docs" / "gpu-results.md"
 THIS_TEST = "tests/tools/test_gpu_check.py"  # runs this script: never from step 2
 CARRIED_MODULES = ("msgspec", "zmq")  # the engine imports them; the device has neither
 
-# Shapes of the local random Llamas used when no real checkpoint resolves. Large initial weights
-# make logits peaked, so greedy tokens are not decided by near ties (as for tiny-llama).
-SMALL_LLAMA = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-    initializer_range=0.2,
-)
 # SmolLM2-135M's shape: throughput depends on the shape, not on the weights.
 SMOLLM2_SHAPE = dict(
     vocab_size=49152,
@@ -100,7 +84,9 @@ class Sizes:
     device: str
     kernel_tests: tuple[str, ...]  # pytest targets of step 2
     kernel_tests_timeout_s: int
-    e2e_llama: dict[str, Any]  # shape of the local random model of step 3
+    # Shape of the local random model of step 3; None: tiny-llama's (large initial weights, so
+    # greedy tokens are not decided by near ties), with a 4096-token vocabulary.
+    e2e_llama: dict[str, Any] | None
     e2e_random_prompt_lens: tuple[int, ...]
     e2e_new_tokens: int
     throughput_llama: dict[str, Any]  # shape of the local random model of step 5
@@ -128,7 +114,7 @@ GPU_SIZES = Sizes(
     device="cuda",
     kernel_tests=("tests/kernels",),
     kernel_tests_timeout_s=300,
-    e2e_llama=SMALL_LLAMA,
+    e2e_llama=None,
     e2e_random_prompt_lens=(5, 40, 300),
     e2e_new_tokens=32,
     throughput_llama=SMOLLM2_SHAPE,
@@ -430,6 +416,14 @@ def resolve_smollm2() -> tuple[Path | None, str]:
         return None, f"did not resolve: {e}"
 
 
+def e2e_llama_shape(sizes: Sizes) -> dict[str, Any]:
+    if sizes.e2e_llama is not None:
+        return sizes.e2e_llama
+    from stepscope.engine.models.loader import TINY_LLAMA_CONFIG
+
+    return {"vocab_size": 4096, **TINY_LLAMA_CONFIG}
+
+
 def e2e_model(ctx: Context, step: Step) -> Model:
     """smollm2 if it resolves, else tiny-llama if its cache is here, else a local random Llama."""
     from stepscope.engine.models.loader import cache_dir
@@ -445,7 +439,7 @@ def e2e_model(ctx: Context, step: Step) -> Model:
         if (tiny / "model.safetensors").exists():
             return Model(tiny, "tiny-llama (cached)", True)
         step.log("tiny-llama: no cache, and building it needs smollm2's tokenizer")
-    shape = ctx.sizes.e2e_llama
+    shape = e2e_llama_shape(ctx.sizes)
     path = build_random_llama(ctx.tmp / "e2e-llama", shape)
     return Model(path, f"local random Llama ({_shape_text(shape)})", False)
 
@@ -509,7 +503,7 @@ def end_to_end(ctx: Context, step: Step) -> None:
         prompts = [tokenizer.encode(p) for p in TEXT_PROMPTS]
     else:
         rng = random.Random(0)
-        vocab = ctx.sizes.e2e_llama["vocab_size"]
+        vocab = e2e_llama_shape(ctx.sizes)["vocab_size"]
         prompts = [
             [rng.randrange(3, vocab) for _ in range(n)] for n in ctx.sizes.e2e_random_prompt_lens
         ]

@@ -66,7 +66,9 @@ def sample_spans(num_spans: int) -> list:
         request_ids = [f"req-{step // 16}-{i}" for i in range(8)]
         if step % 16 == 0:
             with spans.request_span(request_ids[0], model="tiny-llama", max_tokens=64) as req:
-                req.add_events({"queued": time.time(), "scheduled": time.time()})
+                req.add_events(
+                    {n.RequestEvent.QUEUED: time.time(), n.RequestEvent.SCHEDULED: time.time()}
+                )
                 links[request_ids[0]] = spans.request_link(req.carrier)
                 req.finish(input_tokens=500, output_tokens=16, finish_reasons=["length"])
         with spans.step_span(step=step) as span:

@@ -7,6 +7,8 @@ GenAI semantic conventions, messaging keys the messaging conventions.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 # ---- services (resource `service.name`, one per process kind) ------------------------------------
 SERVICE_API = "stepscope.api"
 SERVICE_ENGINE_CORE = "stepscope.engine_core"
@@ -66,12 +68,18 @@ OPERATION_TEXT_COMPLETION = "text_completion"
 REQUEST_ID = "stepscope.request_id"
 NUM_CACHED_TOKENS = "stepscope.num_cached_tokens"
 NUM_PREEMPTIONS = "stepscope.num_preemptions"
-EVENT_QUEUED = "queued"
-EVENT_SCHEDULED = "scheduled"
-EVENT_FIRST_TOKEN = "first_token"
-EVENT_PREEMPTED = "preempted"
-EVENT_FINISHED = "finished"
-REQUEST_EVENTS = (EVENT_QUEUED, EVENT_SCHEDULED, EVENT_FIRST_TOKEN, EVENT_PREEMPTED, EVENT_FINISHED)
+
+
+class RequestEvent(StrEnum):
+    """Events on the request span, each at the time it happened. The engine core reports them
+    in `EngineCoreOutput.events`, keyed by these; the span and the trace file hold the values."""
+
+    QUEUED = "queued"  # the engine core took the request in (its arrival time)
+    SCHEDULED = "scheduled"  # first admitted by the scheduler
+    FIRST_TOKEN = "first_token"  # first token sampled
+    PREEMPTED = "preempted"  # preempted (recompute); the count is NUM_PREEMPTIONS
+    FINISHED = "finished"  # a stop condition hit, or aborted
+
 
 # ---- engine step span ----------------------------------------------------------------------------
 STEP = "stepscope.step"

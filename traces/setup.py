@@ -340,11 +340,6 @@ def get_tracer() -> Tracer | None:
     return None if current is None else current.tracer
 
 
-def get_sampling() -> TraceSampling | None:
-    current = state
-    return None if current is None else current.sampling
-
-
 def is_enabled() -> bool:
     return state is not None
 
@@ -375,7 +370,6 @@ __all__ = [
     "TraceSampling",
     "dropped_spans",
     "flush_tracing",
-    "get_sampling",
     "get_tracer",
     "init_tracing",
     "is_enabled",

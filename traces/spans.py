@@ -4,17 +4,10 @@
         with child_span(names.SCHEDULE):
             out = scheduler.schedule()
         step.record(scheduler.last_stats, out.num_scheduled_tokens, links=request_links)
-        crossing, carrier = send_span(names.ENGINE_CORE_TO_WORKER, "SchedulerOutput",
-                                      num_requests=len(out.num_scheduled_tokens))
-        with crossing:
-            data = encode(out, carrier)
-            crossing.set_nbytes(len(data))
-            socket.send(data)
+        runner_output = executor.execute_model(out)  # traced_send / traced_receive inside
 
-    t0 = time.time_ns(); msg = decode(data)                      # the receiving process
-    with receive_span(names.ENGINE_CORE_TO_WORKER, "SchedulerOutput", len(data),
-                      len(msg.num_scheduled_tokens), msg.trace_context, start_ns=t0):
-        ...
+Messages over the four boundaries go through `crossing.traced_send` / `traced_receive`, built on
+`send_span` and `receive_span` here.
 
 Every helper returns the shared `NOOP` object when tracing is not initialised in this process
 (or the step is not sampled), so the engine pays one attribute lookup per call. Which steps record
@@ -24,10 +17,9 @@ spans follow the step; a receiving process follows the sender's decision carried
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -53,13 +45,10 @@ __all__ = [
     "request_span",
     "send_span",
     "step_span",
-    "traced",
     "worker_step_span",
 ]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 
 # ---- context propagation ------------------------------------------------------------------------
@@ -252,7 +241,8 @@ class RequestSpan(_Scope):
     ) -> None:
         """A timeline event; `time_s` is a `time.time()` value (default: now)."""
         timestamp = None if time_s is None else int(time_s * 1e9)
-        self.span.add_event(name, attributes, timestamp=timestamp)
+        # str(): a `RequestEvent` from an in-process engine core goes out as its plain value.
+        self.span.add_event(str(name), attributes, timestamp=timestamp)
 
     def add_events(self, events: Mapping[str, float | Sequence[float]]) -> None:
         """Events by name, as the engine core reports them (`EngineCoreOutput.events`)."""
@@ -410,20 +400,6 @@ def ended_child_span(name: str, start_ns: int, end_ns: int) -> None:
     if state is None or not trace.get_current_span().is_recording():
         return
     state.tracer.start_span(name, start_time=start_ns).end(end_time=end_ns)
-
-
-def traced(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
-    """Decorator form of `child_span`."""
-
-    def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-        @functools.wraps(fn)
-        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            with child_span(name):
-                return fn(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
 
 
 def worker_step_span(

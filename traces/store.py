@@ -115,10 +115,10 @@ VIEWS = {
     "requests": f"""
 WITH r AS (
     SELECT *,
-        {_event_ns(n.EVENT_QUEUED)} AS queued_ns,
-        {_event_ns(n.EVENT_SCHEDULED)} AS scheduled_ns,
-        {_event_ns(n.EVENT_FIRST_TOKEN)} AS first_token_ns,
-        {_event_ns(n.EVENT_FINISHED)} AS finished_ns
+        {_event_ns(n.RequestEvent.QUEUED)} AS queued_ns,
+        {_event_ns(n.RequestEvent.SCHEDULED)} AS scheduled_ns,
+        {_event_ns(n.RequestEvent.FIRST_TOKEN)} AS first_token_ns,
+        {_event_ns(n.RequestEvent.FINISHED)} AS finished_ns
     FROM spans WHERE name = '{n.REQUEST}'
 )
 SELECT

@@ -1,5 +1,6 @@
-"""Serving the dashboard: on its own (`serve_dashboard`, `python -m stepscope.viz.dashboard`) or
-inside the trace collector process (`mount_on_collector`, a collector extension).
+"""Serving the dashboard: on its own (`serve_dashboard`; `stepscope dashboard`, or
+`python -m stepscope.viz.dashboard`) or inside the trace collector process (`mount_on_collector`,
+a collector extension).
 
 Panel needs a Tornado server with websockets, which the collector's stdlib `ThreadingHTTPServer`
 cannot host, so inside the collector the dashboard runs on its own port in a daemon thread and
@@ -9,6 +10,9 @@ one owner). The collector answers `GET /dashboard` with a redirect to it.
 Every asset the page loads (Bokeh and Panel JS, Tabulator, CSS) comes from the Panel server:
 resources are forced to "server" mode and the page uses no web fonts, so it works with no
 network beyond 127.0.0.1.
+
+Importing this module is cheap (the `stepscope` command line builds its options from it): Bokeh,
+Panel and the trace sources are imported when a dashboard is served.
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
-
-from bokeh.settings import settings as bokeh_settings
+from typing import TYPE_CHECKING, Any
 
 from stepscope.traces.process import free_port
-from stepscope.viz.sources import CollectorSource, DuckDBSource, StoreSource, TraceSource
+
+if TYPE_CHECKING:
+    from stepscope.viz.sources import TraceSource
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,8 @@ MOUNT_EXTENSION = "stepscope.viz.dashboard:mount_on_collector"
 
 def _server_local_resources() -> None:
     """Bokeh/Panel JS and CSS from this server, never a CDN (beats BOKEH_RESOURCES=cdn)."""
+    from bokeh.settings import settings as bokeh_settings
+
     bokeh_settings.resources.set_value("server")
 
 
@@ -48,6 +54,8 @@ def _origins(host: str, port: int) -> list[str]:
 def make_source(db: str | None = None, url: str | None = None) -> TraceSource | None:
     if db and url:
         raise ValueError("give the dashboard a trace file (db) or a collector URL (url), not both")
+    from stepscope.viz.sources import CollectorSource, DuckDBSource
+
     if db:
         return DuckDBSource(db)
     if url:
@@ -133,6 +141,7 @@ def mount_on_collector(collector: Any) -> str:
     collector's host. Sets `collector.dashboard_url` and adds `GET /dashboard` (a redirect).
     """
     from stepscope.traces.collector import HttpResponse
+    from stepscope.viz.sources import StoreSource
 
     host = collector.server.server_address[0]
     port = int(os.environ.get(DASHBOARD_PORT_ENV, DEFAULT_PORT))
@@ -145,16 +154,25 @@ def mount_on_collector(collector: Any) -> str:
     return url
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="stepscope dashboard (Panel)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `stepscope dashboard` and `python -m stepscope.viz.dashboard`."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--db", help="a finished run's trace file (DuckDB), replayed read-only")
     group.add_argument("--url", help="a running collector's URL, refreshed every second")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Serve the dashboard with the options of `add_arguments`, until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dashboard %(message)s")
     serve_dashboard(db=args.db, url=args.url, host=args.host, port=args.port)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="stepscope dashboard (Panel)")
+    add_arguments(parser)
+    run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pandas as pd
 import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Span
 
+from stepscope.traces.names import RequestEvent
 from stepscope.viz.request_path import (
     STAGES,
     preemption_times,
@@ -115,8 +116,8 @@ class RequestPathPage:
                 visible=False,
             )
             for name, dash, color in (
-                ("first_token", "dashed", "#2c7a2c"),
-                ("scheduled", "dotted", "#33414e"),
+                (RequestEvent.FIRST_TOKEN, "dashed", "#2c7a2c"),
+                (RequestEvent.SCHEDULED, "dotted", "#33414e"),
             )
         }
         for line in self.event_lines.values():
@@ -222,7 +223,7 @@ class RequestPathPage:
             process=[STAGES[s - 1].process for s in occ["stage"]],
         )
         for name, line in self.event_lines.items():
-            value = request.get(f"{name}_ns")
+            value = request.get(f"{name}_ns")  # the `requests` view's column
             line.visible = value is not None
             if value is not None:
                 line.location = (value - start) / 1e6

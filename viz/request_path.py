@@ -104,7 +104,7 @@ def preemption_times(source: Any, request: dict[str, Any]) -> list[int]:
         return []
     events = frame["events"].iloc[0]
     events = json.loads(events) if isinstance(events, str) else events
-    return sorted(int(e["time_ns"]) for e in events if e.get("name") == n.EVENT_PREEMPTED)
+    return sorted(int(e["time_ns"]) for e in events if e.get("name") == n.RequestEvent.PREEMPTED)
 
 
 def stage_occurrences(source: Any, request_id: str) -> tuple[dict[str, Any], pd.DataFrame]:

@@ -35,8 +35,8 @@ The scheduler simulator works without one. To see real requests and steps, recor
 
 - a server: `stepscope serve --trace-db run.duckdb` (its collector serves this dashboard live);
 - offline: `LLM(model=..., trace_db="run.duckdb")`, then
-  `python -m stepscope.viz.dashboard --db run.duckdb` to replay the finished file;
-- a running collector: `python -m stepscope.viz.dashboard --url http://127.0.0.1:4318`.
+  `stepscope dashboard --db run.duckdb` to replay the finished file;
+- a running collector: `stepscope dashboard --url http://127.0.0.1:4318`.
 """
 
 TABLE_CSS = ".tabulator { font-size: 13px; }"

@@ -8,7 +8,6 @@ runs one step if any request is unfinished; with nothing to do it blocks on the 
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import threading
@@ -29,15 +28,14 @@ from stepscope.engine.messages import (
     EngineCoreRequest,
     EngineDead,
     OutputKind,
-    ProcessInfo,
     RequestKind,
     UtilityRequest,
     UtilityResult,
 )
-from stepscope.traces import names
+from stepscope.traces import crossing, names
+from stepscope.traces.crossing import traced_receive, traced_send
 from stepscope.traces.process import watch_parent
 from stepscope.traces.setup import dropped_spans, init_process_tracing, shutdown_tracing
-from stepscope.traces.spans import receive_span, send_span
 
 
 class EngineCoreProc:
@@ -69,17 +67,10 @@ class EngineCoreProc:
             kind, payload = sock.recv_multipart(copy=False)
             kind = bytes(kind.buffer)
             if kind == RequestKind.ADD:
-                t0 = time.time_ns()
-                request = add_decoder.decode(payload.buffer)
-                with receive_span(
-                    names.API_TO_ENGINE_CORE,
-                    "EngineCoreRequest",
-                    len(payload.buffer),
-                    1,
-                    request.trace_context,
-                    start_ns=t0,
-                ):
-                    self.input_queue.put((kind, request))
+                request = traced_receive(
+                    crossing.API_TO_ENGINE_CORE, add_decoder.decode, payload.buffer
+                )
+                self.input_queue.put((kind, request))
             elif kind == RequestKind.ABORT:
                 self.input_queue.put((kind, abort_decoder.decode(payload.buffer)))
             elif kind == RequestKind.UTILITY:
@@ -92,26 +83,19 @@ class EngineCoreProc:
         sock = self.ctx.socket(zmq.PUSH)
         sock.connect(addr)
         encoder = msgspec.msgpack.Encoder()
+
+        def send_outputs(data: bytes) -> None:
+            sock.send_multipart([OutputKind.OUTPUTS, data])
+
         while True:
             item = self.output_queue.get()
             if item is None:
                 break
             kind, msg = item
-            if kind != OutputKind.OUTPUTS:
+            if kind == OutputKind.OUTPUTS:
+                traced_send(crossing.ENGINE_CORE_TO_API, encoder.encode, msg, send=send_outputs)
+            else:
                 sock.send_multipart([kind, encoder.encode(msg)])
-                continue
-            ids = [o.request_id for o in msg.outputs]
-            crossing, carrier = send_span(
-                names.ENGINE_CORE_TO_API,
-                "EngineCoreOutputs",
-                num_requests=len(ids),
-                request_ids=ids,
-            )
-            with crossing:
-                msg.trace_context = carrier
-                data = encoder.encode(msg)
-                crossing.set_nbytes(len(data))
-                sock.send_multipart([kind, data])
         sock.close(linger=1000)
 
     # ---- the busy loop ------------------------------------------------------------------------
@@ -166,8 +150,6 @@ class EngineCoreProc:
                 return UtilityResult(req.call_id, self.core.reset_prefix_cache())
             if req.method == "flush_traces":
                 return UtilityResult(req.call_id, self.core.flush_traces())
-            if req.method == "processes":
-                return UtilityResult(req.call_id, self.core.processes())
             return UtilityResult(req.call_id, error=f"unknown utility method {req.method!r}")
         except Exception as e:  # a utility call must never take the busy loop down
             return UtilityResult(req.call_id, error=f"{type(e).__name__}: {e}")
@@ -216,8 +198,7 @@ def run_engine_core(
         ready_sock.send_multipart([OutputKind.DEAD, encoder.encode(EngineDead(reason))])
         ready_sock.close(linger=2000)
         raise
-    processes = [ProcessInfo("engine_core", 0, os.getpid()), *core.worker_processes()]
-    ready = EngineCoreReady(core.num_kv_blocks, core.max_model_len, processes)
+    ready = EngineCoreReady(core.num_kv_blocks, core.max_model_len, core.processes())
     ready_sock.send_multipart([OutputKind.READY, encoder.encode(ready)])
     ready_sock.close(linger=2000)
     ctx.term()

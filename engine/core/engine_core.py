@@ -7,6 +7,7 @@ core runs in its own process.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections import deque
@@ -20,7 +21,12 @@ from stepscope.engine.core.request import Request, RequestStatus
 from stepscope.engine.core.scheduler import Scheduler
 from stepscope.engine.executor.abstract import Executor
 from stepscope.engine.executor.uniproc_executor import UniProcExecutor
-from stepscope.engine.messages import EngineCoreOutputs, EngineCoreRequest, ProcessInfo
+from stepscope.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ProcessInfo,
+)
 from stepscope.engine.metrics import TOKENS_PER_STEP_BUCKETS, Histogram
 from stepscope.engine.models.loader import load_config
 from stepscope.traces import names
@@ -155,19 +161,22 @@ class EngineCore:
                 links=self.request_links,
                 kv_total_blocks=self.num_kv_blocks,
             )
-            if scheduler_output.total_num_scheduled_tokens:
-                self.step_tokens.observe(scheduler_output.total_num_scheduled_tokens)
             with child_span(names.EXECUTE):
                 runner_output = self.executor.execute_model(scheduler_output)
-            crossing = getattr(self.executor, "last_crossing_seconds", None)
-            if crossing is not None:
-                self.crossing_seconds.append(crossing)
             with child_span(names.UPDATE):
                 outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._observe_step(scheduler_output.total_num_scheduled_tokens, outputs)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def _observe_step(self, num_tokens: int, outputs: list[EngineCoreOutput]) -> None:
+        """Step statistics (tokens, crossing time); finished requests need no step link."""
+        if num_tokens:
+            self.step_tokens.observe(num_tokens)
+        if self.executor.last_crossing_seconds is not None:
+            self.crossing_seconds.append(self.executor.last_crossing_seconds)
         for out in outputs:
             if out.finish_reason is not None:
                 self.request_links.pop(out.request_id, None)
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
     def flush_traces(self) -> bool:
         """Export every span this process and its workers have ended so far."""
@@ -200,9 +209,11 @@ class EngineCore:
             ),
         }
 
-    def worker_processes(self) -> list[ProcessInfo]:
-        """Worker processes of a multiprocess executor (none when the worker runs in here)."""
-        return [ProcessInfo(role, rank, pid) for role, rank, pid in self.executor.processes()]
+    def processes(self) -> list[ProcessInfo]:
+        """This process (the engine core) and the worker processes of a multiprocess executor
+        (none when the worker runs in here)."""
+        workers = [ProcessInfo(role, rank, pid) for role, rank, pid in self.executor.processes()]
+        return [ProcessInfo("engine_core", 0, os.getpid()), *workers]
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from stepscope.engine.messages import Logprob
 from stepscope.engine.sampling_params import SamplingParams
+from stepscope.traces.names import RequestEvent
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,6 +52,21 @@ class RequestEvents:
     first_token: float | None = None
     finished: float | None = None
     preempted: list[float] = field(default_factory=list)
+
+    def report(self, now: float, first_tokens: bool, finished: bool) -> dict[str, float]:
+        """The events one `EngineCoreOutput` carries: the timeline up to the first token with a
+        request's first tokens, `finished` (and its last preemption) with its last."""
+        events: dict[str, float] = {}
+        if first_tokens:
+            events[RequestEvent.QUEUED] = self.arrival
+            if self.first_scheduled is not None:
+                events[RequestEvent.SCHEDULED] = self.first_scheduled
+            events[RequestEvent.FIRST_TOKEN] = now
+        if finished:
+            events[RequestEvent.FINISHED] = now
+            if self.preempted:
+                events[RequestEvent.PREEMPTED] = self.preempted[-1]
+        return events
 
 
 @dataclass(slots=True, eq=False)

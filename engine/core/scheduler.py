@@ -272,14 +272,8 @@ class Scheduler:
                 logprobs = [
                     Logprob(runner_output.logprob_token_ids[req_id], runner_output.logprobs[req_id])
                 ]
-            events: dict[str, float] = {}
-            prompt_logprobs: list[Logprob] = []
-            if request.num_output_tokens == len(new_tokens):  # the first tokens
-                prompt_logprobs = request.prompt_logprobs
-                events = {"queued": request.events.arrival}
-                if request.events.first_scheduled is not None:
-                    events["scheduled"] = request.events.first_scheduled
-                events["first_token"] = now
+            first_tokens = request.num_output_tokens == len(new_tokens)
+            prompt_logprobs = request.prompt_logprobs if first_tokens else []
             finish_reason = None
             stop_reason = None
             if status is not None:
@@ -287,9 +281,6 @@ class Scheduler:
                 self._finish(request, status)
                 finish_reason = request.finish_reason
                 stop_reason = token if token in request.sampling_params.stop_token_ids else None
-                events["finished"] = now
-                if request.events.preempted:
-                    events["preempted"] = request.events.preempted[-1]
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
@@ -298,7 +289,7 @@ class Scheduler:
                     stop_reason=stop_reason,
                     new_logprobs=logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
-                    events=events,
+                    events=request.events.report(now, first_tokens, status is not None),
                     num_preemptions=request.num_preemptions,
                     prompt_logprobs=prompt_logprobs,
                 )

@@ -13,11 +13,10 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -37,6 +36,7 @@ from stepscope.engine.entrypoints.protocol import (
 )
 from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.engine.frontend.core_client import EngineDeadError
+from stepscope.engine.frontend.parallel_sampling import child_requests, interleave
 from stepscope.engine.metrics import ServerMetrics
 from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
@@ -451,14 +451,12 @@ async def _serve(
     # Reserve the slots now, before any await, so concurrent handlers see each other.
     slot = _Slot(s, num_children)
     base_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
-    children = []
-    for p_idx, ids in enumerate(token_lists):
-        for i in range(params.n):
-            child = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
-                child = msgspec.structs.replace(params, n=1, seed=seed)
-            children.append((p_idx * params.n + i, ids, child, f"{base_id}-{p_idx}-{i}"))
+    # Choice index p_idx * n + i is the i-th child of prompt p_idx.
+    children = [
+        (p_idx * params.n + i, ids, child_params, child_id)
+        for p_idx, ids in enumerate(token_lists)
+        for i, (child_id, child_params) in enumerate(child_requests(f"{base_id}-{p_idx}", params))
+    ]
     operation = names.OPERATION_CHAT if kind == "chat" else names.OPERATION_TEXT_COMPLETION
     headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
     stream = _merged(s, children, slot, operation, headers)
@@ -491,56 +489,48 @@ async def _merged(
     s: ServerState, children: list, slot: _Slot, operation: str, headers: dict[str, str]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the outputs of every child request as they arrive."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, ids: list[int], params: SamplingParams, rid: str) -> None:
-        started = time.time()
-        last = None
-        num_tokens = 0
-        try:
-            async for out in s.engine.generate(
-                ids, params, rid, operation=operation, trace_headers=headers
-            ):
-                t = time.time()
-                new = len(out.outputs[0].token_ids)
-                if last is not None and new:
-                    s.metrics.itl.observe((t - last) / new)
-                if new:
-                    last = t
-                num_tokens += new
-                await queue.put((index, out))
-                if out.finished:
-                    m = out.metrics
-                    s.metrics.observe_finished(
-                        out.outputs[0].finish_reason or "abort",
-                        len(ids),
-                        num_tokens,
-                        m.queue_time,
-                        m.ttft,
-                        (m.finished_time or t) - started,
-                    )
-        except BaseException as e:
-            await queue.put((index, e))
-        finally:
-            await queue.put((index, done))
-
-    tasks = [asyncio.create_task(pump(*c)) for c in children]
-    remaining = len(tasks)
+    streams = {
+        index: _observed(
+            s, len(ids), s.engine.generate(ids, p, rid, operation=operation, trace_headers=headers)
+        )
+        for index, ids, p, rid in children
+    }
+    merged = interleave(streams)
     try:
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
+        async for item in merged:
+            yield item
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await merged.aclose()  # cancels the children still running
         slot.release()
+
+
+async def _observed(
+    s: ServerState, num_prompt_tokens: int, outputs: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
+    """One child's outputs, recording its inter-token latency and, once finished, its timings."""
+    started = time.time()
+    last = None
+    num_tokens = 0
+    async with aclosing(outputs):
+        async for out in outputs:
+            t = time.time()
+            new = len(out.outputs[0].token_ids)
+            if last is not None and new:
+                s.metrics.itl.observe((t - last) / new)
+            if new:
+                last = t
+            num_tokens += new
+            if out.finished:
+                m = out.metrics
+                s.metrics.observe_finished(
+                    out.outputs[0].finish_reason or "abort",
+                    num_prompt_tokens,
+                    num_tokens,
+                    m.queue_time,
+                    m.ttft,
+                    (m.finished_time or t) - started,
+                )
+            yield out
 
 
 def _engine_error(e: BaseException) -> APIError:

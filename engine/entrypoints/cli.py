@@ -1,4 +1,5 @@
-"""The `stepscope` command line: prepare models, run the demo, run benchmarks."""
+"""The `stepscope` command line: prepare models, run the demo, serve, read traces, show the
+dashboard, run benchmarks."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 
 from stepscope.engine.models.loader import BUILTIN_MODELS, DEFAULT_MODEL
+from stepscope.viz import dashboard
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -147,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("request_id")
     p.set_defaults(func=_trace_request)
+
+    p = sub.add_parser("dashboard", help="the dashboard: a trace file, a live collector, or none")
+    dashboard.add_arguments(p)
+    p.set_defaults(func=dashboard.run)
 
     bench = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

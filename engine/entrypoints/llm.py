@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +16,12 @@ from tqdm import tqdm
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.core.engine_core import EngineCore
 from stepscope.engine.frontend.core_client import InprocClient, SyncMPClient
-from stepscope.engine.frontend.detokenizer import IncrementalDetokenizer
 from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
-from stepscope.engine.messages import EngineCoreOutput, ProcessInfo
+from stepscope.engine.frontend.output_processor import OutputProcessor
+from stepscope.engine.frontend.parallel_sampling import child_requests, merge_outputs
+from stepscope.engine.messages import ProcessInfo
 from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
-from stepscope.engine.outputs import (
-    CompletionOutput,
-    RequestMetrics,
-    RequestOutput,
-    prompt_logprobs_of,
-)
+from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
 from stepscope.traces.collector import (
@@ -42,23 +36,8 @@ from stepscope.traces.setup import (
     init_tracing,
     shutdown_tracing,
 )
-from stepscope.traces.spans import NOOP, request_span
 
 Conversation = list[dict[str, str]]
-
-
-@dataclass(slots=True)
-class _Child:
-    """One of the n completions of a request, as the engine core runs it."""
-
-    index: int
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    metrics: RequestMetrics | None = None
-    span: Any = NOOP  # the request's `stepscope.request` span
-    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -121,6 +100,7 @@ class LLM:
             self.client.max_model_len,
             load_config(self.model_dir)["vocab_size"],
         )
+        self.output_processor = OutputProcessor(self.tokenizer, self.config.model, server=False)
         self._ids = itertools.count()
 
     def _start_tracing(self) -> bool:
@@ -248,121 +228,45 @@ class LLM:
                 )
         # Validate everything before the first request enters the engine: all or nothing.
         request_ids = [str(next(self._ids)) for _ in token_lists]
-        core_requests = []
-        children: dict[str, tuple[int, _Child]] = {}
-        results: list[list[_Child]] = []
-        for i, (rid, tokens, params) in enumerate(
-            zip(request_ids, token_lists, params_list, strict=True)
-        ):
-            kids = []
-            for k in range(params.n):
-                child_params = params
-                if params.n > 1:
-                    seed = None if params.seed is None else params.seed + k
-                    child_params = _replace(params, n=1, seed=seed)
-                child_id = rid if params.n == 1 else f"{rid}-{k}"
-                core_requests.append(self.processor.process(child_id, tokens, child_params))
-                child = _Child(k, IncrementalDetokenizer(self.tokenizer, tokens, child_params))
-                kids.append(child)
-                children[child_id] = (i, child)
-            results.append(kids)
+        families = [
+            [
+                self.processor.process(child_id, tokens, child_params)
+                for child_id, child_params in child_requests(rid, params)
+            ]
+            for rid, tokens, params in zip(request_ids, token_lists, params_list, strict=True)
+        ]
         operation = names.OPERATION_TEXT_COMPLETION if texts_are_prompts else names.OPERATION_CHAT
-        for req in core_requests:
-            _, child = children[req.request_id]
-            child.span = request_span(
-                req.request_id,
-                model=self.config.model,
-                operation=operation,
-                max_tokens=req.sampling_params.max_tokens,
-                temperature=req.sampling_params.temperature,
-                top_p=req.sampling_params.top_p,
-                input_tokens=len(req.prompt_token_ids),
-                server=False,
-                start_ns=int(req.arrival_time * 1e9),
-            )
-            with child.span.current():
-                self.client.add_request(req)
-        pending = set(children)
-        bar = tqdm(total=len(children), desc="generate", disable=not use_tqdm)
+        spans: dict[str, Any] = {}  # each child's `stepscope.request` span, ended as it finishes
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=sum(map(len, families)), desc="generate", disable=not use_tqdm)
         try:
-            while pending:
-                for out in self.client.get_output().outputs:
-                    _, child = children[out.request_id]
-                    if self._absorb(child, out):
-                        pending.discard(out.request_id)
-                        bar.update(1)
+            for text, family in zip(texts, families, strict=True):
+                for req in family:
+                    state = self.output_processor.add_request(
+                        req, operation=operation, stream=False, prompt=text
+                    )
+                    spans[req.request_id] = state.span
+                    with state.span.current():
+                        self.client.add_request(req)
+            while self.output_processor.has_unfinished_requests():
+                processed = self.output_processor.process_outputs(self.client.get_output().outputs)
+                if processed.reqs_to_abort:
+                    self.client.abort_requests(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    spans[out.request_id].end()
+                    finished[out.request_id] = out
+                    bar.update(1)
         except BaseException:
+            unfinished = list(self.output_processor.request_states)
+            self.output_processor.abort_requests(unfinished)
             if not isinstance(self.client, SyncMPClient) or self.client.dead_reason is None:
-                self.client.abort_requests(list(pending))
+                self.client.abort_requests(unfinished)
             raise
         finally:
             bar.close()
-            for _, child in children.values():
-                child.span.end()
+            for span in spans.values():
+                span.end()
         return [
-            self._request_output(rid, texts[i], token_lists[i], results[i])
-            for i, rid in enumerate(request_ids)
+            merge_outputs(rid, [finished[req.request_id] for req in family], prompt=text)
+            for rid, text, family in zip(request_ids, texts, families, strict=True)
         ]
-
-    def _absorb(self, child: _Child, out: EngineCoreOutput) -> bool:
-        """Take one step's output for a child; True once it has finished."""
-        for lp in out.new_logprobs:
-            child.logprobs.append(dict(zip(lp.token_ids, lp.logprobs, strict=True)))
-        if child.metrics is None:
-            child.metrics = RequestMetrics(arrival_time=out.events.get("queued", 0.0))
-        m = child.metrics
-        m.update(out.events, out.num_cached_tokens, out.num_preemptions)
-        if out.prompt_logprobs:
-            child.prompt_logprobs = prompt_logprobs_of(out.prompt_logprobs)
-        child.span.observe(out)
-        finished = out.finish_reason is not None
-        stop = child.detokenizer.update(out.new_token_ids, finished)
-        if stop is not None and not finished:
-            # A stop string is found here, not in the engine core: end the request there too.
-            self.client.abort_requests([out.request_id])
-        if stop is not None:
-            child.finish_reason, child.stop_reason = "stop", stop
-        elif finished:
-            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
-        if child.finish_reason is not None:
-            m.finished_time = out.events.get("finished", time.time())
-            child.span.finish(
-                output_tokens=len(child.detokenizer.token_ids), finish_reasons=[child.finish_reason]
-            )
-            child.span.end()
-            return True
-        return False
-
-    @staticmethod
-    def _request_output(
-        rid: str, prompt: str | None, prompt_ids: list[int], kids: list[_Child]
-    ) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=c.index,
-                text=c.detokenizer.output_text,
-                token_ids=c.detokenizer.token_ids,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                logprobs=c.logprobs or None,
-            )
-            for c in kids
-        ]
-        metrics = kids[0].metrics
-        return RequestOutput(
-            request_id=rid,
-            prompt=prompt,
-            prompt_token_ids=prompt_ids,
-            outputs=outputs,
-            finished=True,
-            metrics=metrics,
-            num_cached_tokens=metrics.num_cached_tokens if metrics else 0,
-            children_metrics=[c.metrics for c in kids if c.metrics],
-            prompt_logprobs=next((c.prompt_logprobs for c in kids if c.prompt_logprobs), None),
-        )
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import msgspec
-
-    return msgspec.structs.replace(params, **changes)

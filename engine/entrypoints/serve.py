@@ -124,23 +124,10 @@ class ServerProcess:
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
         self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
         try:
-            self._wait_healthy(timeout)
+            wait_healthy(self.url, self.proc, timeout)
         except BaseException:
             self.stop()
             raise
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"stepscope serve exited with code {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"stepscope serve did not answer /health within {timeout:.0f} s")
 
     def wait(self) -> int:
         return self.proc.wait()
@@ -153,3 +140,18 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Until `stepscope serve` at `url` answers /health; an error if it exits or stays silent."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"stepscope serve exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"stepscope serve did not answer /health within {timeout:.0f} s")

@@ -13,6 +13,10 @@ from stepscope.traces.setup import flush_tracing
 
 
 class Executor(ABC):
+    # The last step's core -> worker -> core time, less the worker's own execute: what crossing
+    # the process boundary costs. None when the worker runs in this process (no crossing).
+    last_crossing_seconds: float | None = None
+
     @abstractmethod
     def determine_num_kv_blocks(self) -> int:
         """Blocks the KV pool can hold on every worker."""

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -66,10 +67,11 @@ from stepscope.engine.config import EngineConfig
 from stepscope.engine.executor.abstract import Executor
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.models.loader import load_config
-from stepscope.traces import names
+from stepscope.traces import crossing, names
+from stepscope.traces.crossing import traced_receive, traced_send
 from stepscope.traces.process import free_port, watch_parent
 from stepscope.traces.setup import init_process_tracing, shutdown_tracing
-from stepscope.traces.spans import receive_span, send_span, worker_step_span
+from stepscope.traces.spans import worker_step_span
 
 if TYPE_CHECKING:
     from stepscope.engine.worker.worker import Worker
@@ -145,7 +147,6 @@ class MultiprocExecutor(Executor):
                 f"heads and {kv_heads} KV heads, got {tp}"
             )
         self.world_size = tp
-        self.last_crossing_seconds: float | None = None
         self._failure: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
@@ -236,32 +237,21 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._check_usable()
         start = time.perf_counter()
-        crossing, carrier = send_span(
-            names.ENGINE_CORE_TO_WORKER,
-            "SchedulerOutput",
-            num_requests=len(scheduler_output.num_scheduled_tokens),
-            step=scheduler_output.step,
+        traced_send(
+            crossing.ENGINE_CORE_TO_WORKER,
+            self._encoder.encode,
+            scheduler_output,
+            send=self._broadcast_step,
         )
-        with crossing:
-            scheduler_output.trace_context = carrier
-            data = self._encoder.encode(scheduler_output)
-            crossing.set_nbytes(len(data))
-            self._broadcast(STEP, data)
         kind, rank, worker_seconds, payload = self._recv()
         if kind != OUTPUT:
             self._fail(f"expected a step output from rank 0, got {kind!r} from rank {rank}")
-        t0 = time.time_ns()
-        output = self._output_decoder.decode(payload)
-        with receive_span(
-            names.WORKER_TO_ENGINE_CORE,
-            "ModelRunnerOutput",
-            len(payload),
-            len(output.req_ids),
-            output.trace_context,
+        output = traced_receive(
+            crossing.WORKER_TO_ENGINE_CORE,
+            self._output_decoder.decode,
+            payload,
             step=scheduler_output.step,
-            start_ns=t0,
-        ):
-            pass
+        )
         self.last_crossing_seconds = time.perf_counter() - start - worker_seconds
         return output
 
@@ -306,6 +296,9 @@ class MultiprocExecutor(Executor):
 
     def _broadcast(self, kind: bytes, payload: bytes) -> None:
         self._group.bcast.send_multipart([kind, payload])
+
+    def _broadcast_step(self, payload: bytes) -> None:
+        self._broadcast(STEP, payload)
 
     def _recv(self) -> tuple[bytes, int, float, bytes]:
         """Next reply from any rank; a worker error or death raises instead of hanging."""
@@ -439,35 +432,23 @@ def _worker_main(
             break
         try:
             if kind == STEP:
-                t0 = time.time_ns()
-                scheduler_output = step_decoder.decode(payload)
-                carrier = scheduler_output.trace_context
-                with receive_span(
-                    names.ENGINE_CORE_TO_WORKER,
-                    "SchedulerOutput",
-                    len(payload),
-                    len(scheduler_output.num_scheduled_tokens),
-                    carrier,
-                    step=scheduler_output.step,
-                    start_ns=t0,
-                ):
-                    pass
+                scheduler_output = traced_receive(
+                    crossing.ENGINE_CORE_TO_WORKER, step_decoder.decode, payload
+                )
+                step = scheduler_output.step
                 start = time.perf_counter()
-                with worker_step_span(scheduler_output.step, rank, carrier):
+                with worker_step_span(step, rank, scheduler_output.trace_context):
                     output = worker.model_runner.execute_model(scheduler_output)
                     seconds = time.perf_counter() - start
                     if rank == 0:
-                        crossing, reply_carrier = send_span(
-                            names.WORKER_TO_ENGINE_CORE,
-                            "ModelRunnerOutput",
-                            num_requests=len(output.req_ids),
-                            step=scheduler_output.step,
+                        send = functools.partial(reply, OUTPUT, seconds=seconds)
+                        traced_send(
+                            crossing.WORKER_TO_ENGINE_CORE,
+                            encoder.encode,
+                            output,
+                            step=step,
+                            send=send,
                         )
-                        with crossing:
-                            output.trace_context = reply_carrier
-                            data = encoder.encode(output)
-                            crossing.set_nbytes(len(data))
-                            reply(OUTPUT, data, seconds)
             elif kind == CALL:
                 method, args = msgspec.msgpack.decode(payload)
                 if method not in UTILITY_METHODS:

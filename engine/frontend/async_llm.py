@@ -1,7 +1,7 @@
 """`AsyncLLM`: the API process's engine (stages 1-2 and 9-10 around an engine-core process).
 
 It tokenizes and validates requests, sends them to the engine core over ZMQ, and turns the token
-ids that come back into text with one incremental detokenizer per request. `generate()` is an
+ids that come back into text with the `OutputProcessor` that `LLM` uses too. `generate()` is an
 async iterator of incremental outputs: each item carries the text and token ids produced since
 the previous one. Closing the iterator early (a client that went away) aborts the request.
 """
@@ -9,39 +9,18 @@ the previous one. Closing the iterator early (a client that went away) aborts th
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.frontend.core_client import AsyncMPClient, EngineDeadError
-from stepscope.engine.frontend.detokenizer import IncrementalDetokenizer
 from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
-from stepscope.engine.messages import EngineCoreOutput, EngineCoreOutputs, ProcessInfo
+from stepscope.engine.frontend.output_processor import OutputProcessor
+from stepscope.engine.messages import EngineCoreOutputs, ProcessInfo
 from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
-from stepscope.engine.outputs import (
-    CompletionOutput,
-    RequestMetrics,
-    RequestOutput,
-    prompt_logprobs_of,
-)
+from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
-from stepscope.traces.spans import request_span
-
-
-@dataclass(slots=True)
-class _Stream:
-    """A request in flight: its detokenizer and the queue its outputs wait in."""
-
-    prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
-    metrics: RequestMetrics
-    span: Any  # the request's `stepscope.request` span (a no-op when tracing is off)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    num_sent_tokens: int = 0
-    finished: bool = False
 
 
 class AsyncLLM:
@@ -55,7 +34,8 @@ class AsyncLLM:
         self.processor = InputProcessor(
             self.tokenizer, self.client.max_model_len, load_config(self.model_dir)["vocab_size"]
         )
-        self._streams: dict[str, _Stream] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, model)
+        self._queues: dict[str, asyncio.Queue] = {}  # each request's outputs, waiting for it
         self._started = False
         self.dead_reason: str | None = None
 
@@ -91,109 +71,53 @@ class AsyncLLM:
         self._ensure_started()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        if request_id in self._streams:
+        if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         token_ids = self.processor.tokenize(prompt)
         request = self.processor.process(request_id, token_ids, sampling_params)
-        span = request_span(
-            request_id,
-            model=self.model_name,
-            operation=operation,
-            max_tokens=sampling_params.max_tokens,
-            temperature=sampling_params.temperature,
-            top_p=sampling_params.top_p,
-            input_tokens=len(token_ids),
-            headers=trace_headers,
-            start_ns=int(request.arrival_time * 1e9),
+        state = self.output_processor.add_request(
+            request, operation=operation, stream=True, trace_headers=trace_headers
         )
-        stream = _Stream(
-            prompt_token_ids=token_ids,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, sampling_params),
-            metrics=RequestMetrics(arrival_time=request.arrival_time),
-            span=span,
-        )
-        self._streams[request_id] = stream
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
         try:
-            with span.current():
+            with state.span.current():
                 await self.client.add_request(request)
             while True:
-                item = await stream.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
                 if item.finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not stream.finished:
-                span.finish(finish_reasons=["abort"])
+            self._queues.pop(request_id, None)
+            if request_id in self.output_processor.request_states:
+                self.output_processor.abort_requests([request_id])
                 await self.client.abort_requests([request_id])
-            span.end()
+            state.span.end()  # the last output is out
 
     async def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.finished = True
+        self._queues.pop(request_id, None)
+        self.output_processor.abort_requests([request_id])
         await self.client.abort_requests([request_id])
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
-        to_abort = []
-        for out in outputs.outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None or stream.finished:
-                continue
-            item, stopped_here = self._make_output(out, stream)
-            if stopped_here:
-                to_abort.append(out.request_id)
-            stream.queue.put_nowait(item)
-        if to_abort:
-            asyncio.get_running_loop().create_task(self.client.abort_requests(to_abort))
-
-    def _make_output(self, out: EngineCoreOutput, stream: _Stream) -> tuple[RequestOutput, bool]:
-        m = stream.metrics
-        m.update(out.events, out.num_cached_tokens, out.num_preemptions)
-        stream.span.observe(out)
-        finished = out.finish_reason is not None
-        detok = stream.detokenizer
-        stop = detok.update(out.new_token_ids, finished)
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if stop is not None:
-            finish_reason, stop_reason = "stop", stop
-        done = finish_reason is not None
-        if done:
-            stream.finished = True
-            m.finished_time = out.events.get("finished", time.time())
-            stream.span.finish(output_tokens=len(detok.token_ids), finish_reasons=[finish_reason])
-        new_tokens = detok.token_ids[stream.num_sent_tokens :]
-        stream.num_sent_tokens = len(detok.token_ids)
-        logprobs = [dict(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in out.new_logprobs][
-            : len(new_tokens)
-        ]
-        completion = CompletionOutput(
-            index=0,
-            text=detok.get_next_output_text(done, delta=True),
-            token_ids=new_tokens,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            logprobs=logprobs or None,
-        )
-        output = RequestOutput(
-            request_id=out.request_id,
-            prompt=None,
-            prompt_token_ids=stream.prompt_token_ids,
-            outputs=[completion],
-            finished=done,
-            metrics=m,
-            num_cached_tokens=out.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs_of(out.prompt_logprobs),
-        )
-        return output, stop is not None and not finished
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        for out in processed.request_outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        if processed.reqs_to_abort:
+            asyncio.get_running_loop().create_task(
+                self.client.abort_requests(processed.reqs_to_abort)
+            )
 
     def _on_dead(self, reason: str) -> None:
         self.dead_reason = reason
-        for stream in self._streams.values():
-            stream.finished = True
-            stream.queue.put_nowait(EngineDeadError(reason))
+        self.output_processor.abort_requests(list(self.output_processor.request_states))
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))
 
     # ---- utilities ----------------------------------------------------------------------------
     async def get_stats(self) -> dict[str, float]:

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 import weakref
 from pathlib import Path
@@ -43,8 +42,8 @@ from stepscope.engine.messages import (
     UtilityRequest,
     UtilityResult,
 )
-from stepscope.traces import names
-from stepscope.traces.spans import receive_span, send_span
+from stepscope.traces import crossing
+from stepscope.traces.crossing import traced_receive, traced_send
 
 STARTUP_TIMEOUT_S = 600.0  # the first start may convert the default model (~20 s) and load it
 POLL_MS = 100
@@ -77,12 +76,10 @@ class InprocClient:
         return outputs
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        if method == "processes":
-            return [ProcessInfo("engine_core", 0, os.getpid()), *self.core.worker_processes()]
         return getattr(self.core, method)(*args)
 
     def processes(self) -> list[ProcessInfo]:
-        return self.call_utility("processes")
+        return self.core.processes()
 
     def shutdown(self) -> None:
         self.core.shutdown()
@@ -94,39 +91,19 @@ _DECODERS = {
     OutputKind.READY: msgspec.msgpack.Decoder(EngineCoreReady),
     OutputKind.DEAD: msgspec.msgpack.Decoder(EngineDead),
 }
-
-
 _REQUEST_ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode_request(request: EngineCoreRequest) -> bytes:
-    """Encode an EngineCoreRequest inside its `api->engine_core` send span (in the current
-    context: the request's span), carrying that span's context in the message."""
-    crossing, carrier = send_span(names.API_TO_ENGINE_CORE, "EngineCoreRequest", num_requests=1)
-    with crossing:
-        request.trace_context = carrier
-        data = _REQUEST_ENCODER.encode(request)
-        crossing.set_nbytes(len(data))
-    return data
+    """An EngineCoreRequest as bytes, sent under the current span (the request's)."""
+    return traced_send(crossing.API_TO_ENGINE_CORE, _REQUEST_ENCODER.encode, request)
 
 
 def decode_output(kind: bytes, payload: bytes) -> Any:
-    """Decode a message from the engine core; EngineCoreOutputs inside their receive span."""
-    t0 = time.time_ns()
-    msg = _DECODERS[kind].decode(payload)
+    """A message from the engine core; EngineCoreOutputs with their receive span."""
     if kind == OutputKind.OUTPUTS:
-        ids = [o.request_id for o in msg.outputs]
-        with receive_span(
-            names.ENGINE_CORE_TO_API,
-            "EngineCoreOutputs",
-            len(payload),
-            len(ids),
-            msg.trace_context,
-            request_ids=ids,
-            start_ns=t0,
-        ):
-            pass
-    return msg
+        return traced_receive(crossing.ENGINE_CORE_TO_API, _DECODERS[kind].decode, payload)
+    return _DECODERS[kind].decode(payload)
 
 
 class _CoreProcess:

@@ -3,8 +3,9 @@
 Tokens of every scheduled request are concatenated into one [num_tokens] batch: projections and
 MLPs run as single matmuls over the whole step, and only attention looks at request boundaries
 (through the attention backend's metadata). Q/K/V and gate/up projections are fused into one
-matmul each. Numerics follow transformers' LlamaForCausalLM, op for op, so float32 greedy tokens
-match its `generate`.
+matmul each. RMSNorm (with the residual add before it), rotary and SiLU-and-mul come from the
+attention backend's `ops`: torch ops, or Triton kernels with the triton backend. Numerics follow
+transformers' LlamaForCausalLM, op for op, so float32 greedy tokens match its `generate`.
 """
 
 from __future__ import annotations
@@ -52,29 +53,6 @@ class LlamaShape:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope_cos_sin(
-    max_positions: int, head_dim: int, theta: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_positions, head_dim], computed as transformers does."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
-    freqs = torch.outer(t, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
-
-
 class LlamaLayer:
     def __init__(self, w: dict[str, torch.Tensor], shape: LlamaShape, tp_size: int) -> None:
         self.input_norm = w["input_layernorm.weight"]
@@ -112,6 +90,7 @@ class LlamaModel:
             )
         self.shape = shape
         self.attn = attn
+        self.ops = attn.ops
         self.device = device
         self.dtype = dtype
         self.tp_size = tp_size
@@ -124,11 +103,9 @@ class LlamaModel:
             LlamaLayer(self._layer_weights(w, i, tp_rank, tp_size), shape, tp_size)
             for i in range(shape.num_layers)
         ]
-        # Computed in float32, then cast to the model's dtype, as transformers does.
-        cos, sin = rope_cos_sin(
-            shape.max_position_embeddings, shape.head_dim, shape.rope_theta, device
+        self.rope_cache = self.ops.rope_cache(
+            shape.max_position_embeddings, shape.head_dim, shape.rope_theta, device, dtype
         )
-        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
 
     def _layer_weights(
         self, w: dict[str, torch.Tensor], i: int, rank: int, size: int
@@ -171,25 +148,26 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        ops = self.ops
         x = F.embedding(input_ids, self.embed)
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+        residual = None  # the residual stream; x is the last sub-layer's output until it is added
         n = input_ids.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = rms_norm(x, layer.input_norm, layer.eps)
-            qkv = F.linear(h, layer.qkv)
+            if residual is None:
+                x, residual = ops.rms_norm(x, layer.input_norm, layer.eps), x
+            else:
+                x, residual = ops.add_rms_norm(x, residual, layer.input_norm, layer.eps)
+            qkv = F.linear(x, layer.qkv)
             hq, hk = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
             q = qkv[:, :hq].view(n, layer.num_heads, layer.head_dim)
             k = qkv[:, hq : hq + hk].view(n, layer.num_kv_heads, layer.head_dim)
             v = qkv[:, hq + hk :].view(n, layer.num_kv_heads, layer.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = ops.rotary(positions, q, k, self.rope_cache)
             o = self.attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, layer.scale)
-            x = x + self._reduce(F.linear(o.reshape(n, hq), layer.o_proj))
-            h = rms_norm(x, layer.post_norm, layer.eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + self._reduce(F.linear(F.silu(gate) * up, layer.down))
-        return rms_norm(x, self.norm, self.shape.rms_norm_eps)
+            x = self._reduce(F.linear(o.reshape(n, hq), layer.o_proj))
+            x, residual = ops.add_rms_norm(x, residual, layer.post_norm, layer.eps)
+            x = self._reduce(F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down))
+        return ops.add_rms_norm(x, residual, self.norm, self.shape.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         return F.linear(hidden, self.lm_head).float()

@@ -1,5 +1,6 @@
 """Attention backends: write this step's K/V into the paged cache, then attend through block
-tables (worker forward, stage 6). `torch` is the reference and the CPU default; `triton` runs
+tables (worker forward, stage 6). Each backend also carries the forward's other ops (RMSNorm,
+rotary, SiLU-and-mul) as `ops`. `torch` is the reference and the CPU default; `triton` runs
 the kernels in stepscope.kernels (compiled on CUDA, interpreted on CPU).
 """
 
@@ -44,10 +45,127 @@ class AttentionMetadata:
     groups: list[PaddedGroup]
 
 
+class ForwardOps(ABC):
+    """The forward's norms, rotary and activation, chosen with the attention backend."""
+
+    @abstractmethod
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """RMSNorm of x, as transformers' LlamaRMSNorm computes it."""
+
+    @abstractmethod
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor,  # [num_tokens, hidden]
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed(x + residual), x + residual
+        """The residual add, then RMSNorm of the sum."""
+
+    @abstractmethod
+    def rope_cache(
+        self,
+        max_positions: int,
+        head_dim: int,
+        theta: float,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # [max_positions, ...], what `rotary` reads by position
+        """Cos and sin of every position, in the layout `rotary` takes."""
+
+    @abstractmethod
+    def rotary(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cache: torch.Tensor,  # from rope_cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q, k rotated
+        """Rotary embedding of q and k by each token's position (rotate_half layout)."""
+
+    @abstractmethod
+    def silu_and_mul(
+        self,
+        x: torch.Tensor,  # [num_tokens, 2 * intermediate], gate then up
+    ) -> torch.Tensor:  # [num_tokens, intermediate]
+        """silu(gate) * up."""
+
+
+class TorchForwardOps(ForwardOps):
+    """Plain torch ops in the model's dtype, op for op as transformers' Llama computes them."""
+
+    def rms_norm(self, x, weight, eps):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        x = x + residual
+        return self.rms_norm(x, weight, eps), x
+
+    def rope_cache(self, max_positions, head_dim, theta, device, dtype):
+        # Computed in float32, then cast to the model's dtype, as transformers does; each row is
+        # cos then sin, both over the full head_dim.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        inv_freq = 1.0 / (theta**exponents)
+        t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+        emb = torch.outer(t, inv_freq).repeat(1, 2)
+        return torch.cat([emb.cos(), emb.sin()], dim=-1).to(device=device, dtype=dtype)
+
+    def rotary(self, positions, q, k, cache):
+        cos, sin = cache[positions][:, None, :].chunk(2, dim=-1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def silu_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TritonForwardOps(ForwardOps):
+    """The Triton kernels; RMSNorm takes the residual add into the same launch."""
+
+    def __init__(self) -> None:
+        from stepscope.kernels.rms_norm import rms_norm
+        from stepscope.kernels.rotary_embedding import build_cos_sin_cache, rotary_embedding
+        from stepscope.kernels.silu_and_mul import silu_and_mul
+
+        self._rms_norm = rms_norm
+        self._cos_sin_cache = build_cos_sin_cache
+        self._rotary = rotary_embedding
+        self._silu_and_mul = silu_and_mul
+
+    def rms_norm(self, x, weight, eps):
+        return self._rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._rms_norm(x, weight, eps, residual=residual)
+
+    def rope_cache(self, max_positions, head_dim, theta, device, dtype):
+        # Kept in float32: the kernel rotates in float32 whatever the model's dtype.
+        return self._cos_sin_cache(max_positions, head_dim, theta).to(device)
+
+    def rotary(self, positions, q, k, cache):
+        return self._rotary(positions, q, k, cache)
+
+    def silu_and_mul(self, x):
+        return self._silu_and_mul(x)
+
+
 class AttentionBackend(ABC):
     """Builds per-step metadata once, then runs attention for every layer with it."""
 
     name: str
+    ops: ForwardOps
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
@@ -102,6 +220,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         super().__init__(block_size, device)
+        self.ops = TorchForwardOps()
         # Gathered keys and values are written into buffers reused across layers and steps:
         # a fresh multi-MB allocation per layer costs more in page faults than the copy itself.
         self._bufs: dict[str, torch.Tensor] = {}
@@ -197,7 +316,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 class TritonAttentionBackend(AttentionBackend):
     """The Triton kernels: KV write by slot mapping, then one paged-attention launch for the
-    whole mixed batch."""
+    whole mixed batch; the forward's other ops are kernels too."""
 
     name = "triton"
 
@@ -210,6 +329,7 @@ class TritonAttentionBackend(AttentionBackend):
 
         self._write = write_kv_cache
         self._attend = paged_attention
+        self.ops = TritonForwardOps()
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         self._write(k, v, k_cache, v_cache, meta.slot_mapping)

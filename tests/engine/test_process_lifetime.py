@@ -6,28 +6,14 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import time
 
-import httpx
 import psutil
 import pytest
 
+from stepscope.engine.entrypoints.serve import wait_healthy
 from tests.server_utils import CLI, free_port
 
 SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL]
-
-
-def wait_healthy(url: str, proc, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} did not become healthy")
 
 
 def port_is_free(port: int) -> bool:
@@ -50,7 +36,7 @@ def test_serve_takes_its_engine_workers_and_collector_with_it(
     cmd = [*CLI, "serve", "--model", "tiny-llama",
            "--num-kv-blocks", "64", "--tp", "2", "--port", str(port)]  # fmt: skip
     serve = process_tree.popen(cmd, cwd=tmp_path)
-    wait_healthy(f"http://127.0.0.1:{port}", serve)
+    wait_healthy(f"http://127.0.0.1:{port}", serve, timeout=180)
     children = psutil.Process(serve.pid).children(recursive=True)
     commands = [" ".join(c.cmdline()) for c in children]
     # engine core, two workers (multiprocessing spawn children), the trace collector

@@ -9,14 +9,25 @@ import sys
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from stepscope.engine.core.scheduler import StepStats
+from stepscope.engine.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerOutput,
+)
+from stepscope.engine.sampling_params import SamplingParams
+from stepscope.traces import crossing, setup
 from stepscope.traces import names as n
-from stepscope.traces import setup
 from stepscope.traces import spans as sp
+from stepscope.traces.crossing import traced_receive, traced_send
 from stepscope.traces.setup import TraceSampling
 
 
@@ -219,10 +230,100 @@ def test_unreachable_collector_counts_every_span_as_dropped(caplog, tmp_path: Pa
     assert any("50 spans lost" in record.getMessage() for record in caplog.records)
 
 
-def test_engine_facing_helpers_import_no_database_stack():
-    script = (
-        "import sys, stepscope.traces.spans; "
-        "print(sorted(m for m in ('duckdb', 'pandas', 'pyarrow') if m in sys.modules))"
-    )
+@pytest.mark.parametrize(
+    "module, unwanted",
+    [
+        # The helpers the engine calls do not load the database stack into every process ...
+        ("stepscope.traces.spans", "m in ('duckdb', 'pandas', 'pyarrow')"),
+        # ... and the boundary helper does not load the engine it serves.
+        ("stepscope.traces.crossing", "m.startswith('stepscope.engine')"),
+    ],
+)
+def test_engine_facing_helpers_import_only_what_they_need(module, unwanted):
+    script = f"import sys, {module}; print(sorted(m for m in sys.modules if {unwanted}))"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _scheduler_output(step: int) -> SchedulerOutput:
+    return SchedulerOutput(
+        step=step,
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(req_ids=["a", "b"]),
+        num_scheduled_tokens={"a": 1, "b": 1},
+        total_num_scheduled_tokens=2,
+        finished_req_ids=[],
+        preempted_req_ids=[],
+    )
+
+
+def test_traced_send_then_receive_records_producer_and_consumer_joined_by_context():
+    memory = InMemorySpanExporter()
+    setup.init_tracing(n.SERVICE_ENGINE_CORE, exporters=[memory])
+    encoder = msgspec.msgpack.Encoder()
+    sent: list[bytes] = []
+    with sp.step_span(step=3):
+        data = traced_send(
+            crossing.ENGINE_CORE_TO_WORKER, encoder.encode, _scheduler_output(3), send=sent.append
+        )
+    received = traced_receive(
+        crossing.ENGINE_CORE_TO_WORKER, msgspec.msgpack.Decoder(SchedulerOutput).decode, data
+    )
+    setup.flush_tracing()
+    assert sent == [data]  # handed on inside the span
+    assert received.num_scheduled_tokens == {"a": 1, "b": 1}
+    spans = {s.name: s for s in memory.get_finished_spans()}
+    send, receive = spans[n.SEND], spans[n.RECEIVE]
+    assert send.kind is SpanKind.PRODUCER and receive.kind is SpanKind.CONSUMER
+    assert send.parent.span_id == spans[n.ENGINE_STEP].context.span_id
+    assert receive.parent.span_id == send.context.span_id
+    assert receive.context.trace_id == send.context.trace_id
+    for span in (send, receive):
+        assert span.attributes[n.BOUNDARY] == n.ENGINE_CORE_TO_WORKER
+        assert span.attributes[n.MESSAGE_TYPE] == "SchedulerOutput"
+        assert span.attributes[n.MESSAGE_BODY_SIZE] == len(data)
+        assert span.attributes[n.NUM_REQUESTS] == 2
+        assert span.attributes[n.MESSAGING_SYSTEM] == n.MESSAGING_SYSTEM_ZMQ
+    assert receive.start_time >= send.start_time
+
+
+def test_traced_crossing_names_the_requests_of_engine_core_outputs():
+    memory = InMemorySpanExporter()
+    setup.init_tracing(n.SERVICE_ENGINE_CORE, exporters=[memory])
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput("r1", [7]), EngineCoreOutput("r2", [8], finish_reason="stop")]
+    )
+    data = traced_send(crossing.ENGINE_CORE_TO_API, msgspec.msgpack.encode, outputs)
+    decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+    traced_receive(crossing.ENGINE_CORE_TO_API, decoder.decode, memoryview(data))
+    setup.flush_tracing()
+    send, receive = memory.get_finished_spans()
+    assert receive.parent.span_id == send.context.span_id
+    for span in (send, receive):
+        assert span.attributes[n.BOUNDARY] == n.ENGINE_CORE_TO_API
+        assert span.attributes[n.MESSAGE_TYPE] == "EngineCoreOutputs"
+        assert span.attributes[n.REQUEST_IDS] == ("r1", "r2")
+        assert span.attributes[n.NUM_REQUESTS] == 2
+        assert span.attributes[n.MESSAGE_BODY_SIZE] == len(data)
+
+
+def test_traced_crossing_of_an_unsampled_step_records_nothing_on_either_end():
+    memory = InMemorySpanExporter()
+    setup.init_tracing(n.SERVICE_ENGINE_CORE, exporters=[memory], trace_steps="every:2")
+    decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+    data = traced_send(crossing.ENGINE_CORE_TO_WORKER, msgspec.msgpack.encode, _scheduler_output(1))
+    assert traced_receive(crossing.ENGINE_CORE_TO_WORKER, decoder.decode, data).step == 1
+    setup.flush_tracing()
+    assert memory.get_finished_spans() == ()
+
+
+def test_traced_crossing_without_tracing_only_encodes_and_decodes():
+    assert not setup.is_enabled()
+    request = EngineCoreRequest("r", [1, 2], SamplingParams(), None, 0.0)
+    sent: list[bytes] = []
+    data = traced_send(
+        crossing.API_TO_ENGINE_CORE, msgspec.msgpack.encode, request, send=sent.append
+    )
+    assert sent == [data] and data == msgspec.msgpack.encode(request)
+    decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+    assert traced_receive(crossing.API_TO_ENGINE_CORE, decoder.decode, data) == request

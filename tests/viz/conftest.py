@@ -78,11 +78,18 @@ def trace_db(tmp_path_factory) -> tuple[str, dict[str, Any]]:
     return str(path), info
 
 
-def wait_http(url: str, timeout_s: float = 60.0, process: subprocess.Popen | None = None) -> None:
+def wait_http(
+    url: str,
+    timeout_s: float = 60.0,
+    process: subprocess.Popen | None = None,
+    request_timeout_s: float = 30.0,
+) -> None:
+    """Poll `url` until it answers 200; `request_timeout_s` bounds one try (a dashboard page is
+    built per request: seconds on a busy 2-core machine)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
+            with urllib.request.urlopen(url, timeout=request_timeout_s) as response:
                 if response.status == 200:
                     return
         except OSError:

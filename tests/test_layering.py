@@ -1,0 +1,114 @@
+"""Which package may import which, read from the source with `ast` (nothing is imported).
+
+Tracing is a layer over the engine, not part of it: `traces/` knows nothing of the engine or the
+dashboard, the kernels know nothing of the engine, and the scheduler, KV cache manager and block
+pool record no spans. Every package under engine/ says in its docstring which process runs it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folders and the packages they hold (pyproject.toml's package-dir).
+PACKAGES = {
+    "engine": "stepscope.engine",
+    "kernels": "stepscope.kernels",
+    "traces": "stepscope.traces",
+    "viz": "stepscope.viz",
+}
+ENGINE_PACKAGES = ("entrypoints", "frontend", "core", "executor", "worker", "models", "bench")
+TRACING = ("stepscope.traces", "opentelemetry")
+UNTRACED = (
+    "engine/core/scheduler.py",
+    "engine/core/kv_cache_manager.py",
+    "engine/core/block_pool.py",
+)
+
+
+def _module_name(path: Path) -> str:
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    parts = [PACKAGES[folder], *rest]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, in functions too; `from a
+    import b` counts as `a.b` as well as `a`, since `b` may be a module."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = _module_name(path)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _violations(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in paths
+        for line, name in imports(path)
+        if any(name == f or name.startswith(f + ".") for f in forbidden)
+    ]
+
+
+def _sources(folder: str) -> list[Path]:
+    paths = sorted((ROOT / folder).rglob("*.py"))
+    assert paths, f"no sources under {folder}/"
+    return paths
+
+
+@pytest.mark.parametrize(
+    "folder, forbidden",
+    [
+        ("traces", ("stepscope.engine", "stepscope.viz")),
+        ("kernels", ("stepscope.engine",)),
+    ],
+)
+def test_lower_layer_does_not_import_upper_one(folder, forbidden):
+    assert _violations(_sources(folder), forbidden) == []
+
+
+@pytest.mark.parametrize("path", UNTRACED)
+def test_scheduling_and_kv_modules_record_no_spans(path):
+    assert _violations([ROOT / path], TRACING) == []
+
+
+@pytest.mark.parametrize("package", ENGINE_PACKAGES)
+def test_engine_package_docstring_names_its_process(package):
+    init = ROOT / "engine" / package / "__init__.py"
+    assert init.is_file(), f"engine/{package}/ has no __init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    assert "process" in doc, f"engine/{package}/__init__.py must say which process runs it"
+
+
+def test_import_reader_sees_forbidden_imports(tmp_path, monkeypatch):
+    """The checks above can fail: relative, nested and `from` imports are all resolved."""
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    (tmp_path / "traces").mkdir()
+    source = tmp_path / "traces" / "helper.py"
+    source.write_text(
+        "from ..engine import config\n"
+        "def f():\n"
+        "    import opentelemetry.trace\n"
+        "from stepscope import viz\n"
+    )
+    assert _violations([source], ("stepscope.engine", "stepscope.viz")) == [
+        "traces/helper.py:1 imports stepscope.engine",
+        "traces/helper.py:1 imports stepscope.engine.config",
+        "traces/helper.py:4 imports stepscope.viz",
+    ]
+    assert _violations([source], TRACING) == ["traces/helper.py:3 imports opentelemetry.trace"]
