@@ -550,6 +550,10 @@ class EnginePage:
             lo = max(position - TIMELINE_STEPS // 2, 0)
             window = steps.iloc[lo : lo + TIMELINE_STEPS]
         t0 = int(window["start_ns"].min()) - 2_000_000
+        if self.origin_ns is not None and window.index[0] == steps.index[0]:
+            # The run's first steps: from its start, so the requests' arrivals (api->engine_core
+            # crossings, sent before the engine core's first step) are on the timeline too.
+            t0 = min(t0, self.origin_ns)
         t1 = int(window["end_ns"].max()) + 2_000_000
         spans = self.source.query(_TIMELINE_SPANS_SQL, [t0, t1])
         links = self.source.query(_TIMELINE_CROSSINGS_SQL, [t0, t1])

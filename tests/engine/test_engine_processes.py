@@ -159,6 +159,9 @@ SCRIPT = textwrap.dedent(
     # Ctrl-C must reach us as KeyboardInterrupt whatever we inherited: a shell starts a
     # background job (`make test &`) with SIGINT ignored, and Python keeps that disposition.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Likewise SIGHUP, which `nohup make test` leaves ignored, and SIGTERM: their default action.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from stepscope.engine import LLM, SamplingParams
     llm = LLM(model="tiny-llama", num_kv_blocks=32, executor="mp", tensor_parallel_size=2)
     print(" ".join(str(p.pid) for p in llm.processes() if p.role != "api"), flush=True)

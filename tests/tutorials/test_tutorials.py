@@ -14,7 +14,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
+TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
 # The quickstart, then one notebook per section of the seed (shared/seed/BRIEF.md).
 SECTIONS = [f"{i:02d}" for i in range(8)]

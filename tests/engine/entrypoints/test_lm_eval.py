@@ -16,7 +16,7 @@ import pytest
 from stepscope.engine.models.loader import DEFAULT_MODEL, resolve_model
 from tests.server_utils import Server
 
-DATA = Path(__file__).parent / "data" / "lm_eval" / "facts.jsonl"
+DATA = Path(__file__).parents[2] / "data" / "lm_eval" / "facts.jsonl"
 TASK = "stepscope_facts"
 
 
