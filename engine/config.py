@@ -1,4 +1,4 @@
-"""Engine configuration: validated dataclasses and the device-tier defaults (seed table 4)."""
+"""Engine configuration: validated dataclasses and vLLM's device-tier defaults."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def device_tier_defaults(device: str, offline: bool) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) for a device, as vLLM picks them.
 
-    CUDA follows the seed's table 4 for the server (>= 160 GiB: 16384 / 1024; >= 70 GiB and
+    CUDA follows vLLM's defaults for the server (>= 160 GiB: 16384 / 1024; >= 70 GiB and
     not A100: 8192 / 1024; other GPUs: 2048 / 256) and vLLM's larger budgets for the offline
     `LLM` class. CPU tier: 512 tokens / 64 sequences for the server, 1024 / 128 offline. On two
     cores a 2048-token step of a 135M model takes ~5 s, stalling every running decode that long;
