@@ -1,6 +1,11 @@
 """`stepscope bench offline`: stepscope against transformers `generate` on one seeded workload,
 same model, dtype and machine, in one run. Prints tokens/s of each, their ratio, and stepscope's
-model-FLOP utilisation against a large matmul timed in the same run.
+model-FLOP utilisation against a large matmul of the same dtype timed in the same run.
+
+`--dtype float32,bfloat16` repeats the whole comparison per dtype. A dtype whose matmul runs far
+below float32's on this CPU (bfloat16 without AVX512_BF16 or AMX is emulated, 10-300x slower) is
+skipped with its measured rate unless `--force-dtype` is given: such a run takes hours and
+measures the emulation, not the engine.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ def run_stepscope(
     args: argparse.Namespace,
     executor: str = "uni",
     trace_db: str | None = None,
+    dtype: str = "float32",
 ) -> float:
     from stepscope.engine.entrypoints.llm import LLM
     from stepscope.engine.sampling_params import SamplingParams
@@ -104,6 +110,7 @@ def run_stepscope(
         max_num_seqs=args.max_num_seqs,
         executor=executor,
         trace_db=trace_db,
+        dtype=dtype,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
@@ -132,11 +139,13 @@ def run_stepscope(
     return elapsed
 
 
-def run_transformers(model_dir, workload: Workload, batch_size: int) -> float:
+def run_transformers(
+    model_dir, workload: Workload, batch_size: int, dtype: str = "float32"
+) -> float:
     """Length-sorted static batches, left-padded; each batch runs to its longest output."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     pad = model.generation_config.pad_token_id or 0
     order = sorted(range(len(workload.prompts)), key=lambda r: len(workload.prompts[r]))
     start = time.perf_counter()
@@ -162,9 +171,28 @@ def run_transformers(model_dir, workload: Workload, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
+# Below this fraction of float32's matmul rate a dtype is emulated on this CPU, not native.
+NATIVE_FRACTION = 0.25
+
+
+def cpu_matmul_features() -> str:
+    """The CPU flags that decide whether bfloat16 matmul is native (Linux only; else empty)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n")[0].split())
+    except (OSError, IndexError):
+        return ""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return " ".join(f"{f}{'+' if f in flags else '-'}" for f in wanted)
+
+
 def bench_offline(args: argparse.Namespace) -> None:
+    from stepscope.engine.config import DTYPES
     from stepscope.engine.models.loader import load_config, resolve_model
 
+    dtypes = args.dtype.split(",")
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise SystemExit(f"--dtype: unknown {unknown}; choose from {sorted(DTYPES)}")
     model_dir = resolve_model(args.model)
     cfg = load_config(model_dir)
     workload = make_workload(
@@ -175,9 +203,11 @@ def bench_offline(args: argparse.Namespace) -> None:
         args.seed,
     )
     n_prompt = sum(len(p) for p in workload.prompts)
+    features = cpu_matmul_features()
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; model {args.model}, float32"
+        f"machine: {platform.machine()}, {os.cpu_count()} cpus"
+        f"{f' ({features})' if features else ''}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; model {args.model}, {args.dtype}"
     )
     print(
         f"workload: {args.num_requests} requests (seed {args.seed}), prompts "
@@ -185,9 +215,47 @@ def bench_offline(args: argparse.Namespace) -> None:
         f"{args.min_output}-{args.max_output} ({workload.num_output_tokens} in all), greedy, "
         "ignore_eos"
     )
-    peak = matmul_peak_gflops()
-    print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 float32)")
     flops = model_flops(cfg, workload)
+    # A quick probe first: an emulated dtype's 2048^3 matmul alone would take minutes.
+    probe = {d: matmul_peak_gflops(DTYPES[d], n=512, reps=3) for d in {"float32", *dtypes}}
+    summary = []
+    for dtype in dtypes:
+        print(f"--- {dtype}")
+        share = probe[dtype] / probe["float32"]
+        if share < NATIVE_FRACTION and not args.force_dtype:
+            print(
+                f"{dtype}: skipped: its matmul runs at {probe[dtype]:.1f} GFLOP/s, "
+                f"{share:.2f}x float32's {probe['float32']:.1f} (512^3) on this CPU: it is "
+                "emulated here, not native (bfloat16 needs avx512_bf16 or amx_bf16); "
+                "--force-dtype runs it anyway"
+            )
+            summary.append(f"{dtype}: skipped ({share:.2f}x float32's matmul rate)")
+            continue
+        peak = matmul_peak_gflops(DTYPES[dtype])
+        print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 {dtype})")
+        tps_ss, mfu = _bench_stepscope(args, workload, flops, peak, dtype)
+        line = f"{dtype}: stepscope {tps_ss:.1f} output tok/s, MFU {mfu:.0%}"
+        if not args.skip_transformers:
+            t_hf = run_transformers(model_dir, workload, args.hf_batch_size, dtype)
+            tps_hf = workload.num_output_tokens / t_hf
+            print(
+                f"transformers ({dtype}): {t_hf:8.1f} s  {tps_hf:7.1f} output tok/s  "
+                f"(static batches of {args.hf_batch_size}, length-sorted)"
+            )
+            print(f"ratio stepscope / transformers ({dtype}): {tps_ss / tps_hf:.2f}x")
+            line += f"; transformers {tps_hf:.1f} tok/s; ratio {tps_ss / tps_hf:.2f}x"
+        summary.append(line)
+    if len(dtypes) > 1:
+        print("--- summary")
+        for line in summary:
+            print(line)
+
+
+def _bench_stepscope(
+    args: argparse.Namespace, workload: Workload, flops: float, peak: float, dtype: str
+) -> tuple[float, float]:
+    """Every executor x tracing setting in one dtype; returns the best setting's output tok/s
+    and its MFU."""
     repeat = args.repeat
     runs = alternating(args.tracing.split(","), repeat)
     seconds: dict[str, list[float]] = {}
@@ -198,12 +266,12 @@ def bench_offline(args: argparse.Namespace) -> None:
                 folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-"))
                 trace_db = str(folder / "trace.duckdb")
             label = executor if args.tracing == "off" else f"{executor}, tracing {tracing}"
-            elapsed = run_stepscope(args.model, workload, args, executor, trace_db)
+            elapsed = run_stepscope(args.model, workload, args, executor, trace_db, dtype)
             seconds.setdefault(label, []).append(elapsed)
             mfu = flops / elapsed / 1e9 / peak
             run = f" run {rep + 1}" if repeat > 1 else ""
             print(
-                f"stepscope ({label}){run}: {elapsed:8.1f} s  "
+                f"stepscope ({label}, {dtype}){run}: {elapsed:8.1f} s  "
                 f"{workload.num_output_tokens / elapsed:7.1f} output tok/s  MFU {mfu:.0%}",
                 flush=True,
             )
@@ -228,13 +296,5 @@ def bench_offline(args: argparse.Namespace) -> None:
         on, off = results.get(f"{executor}, tracing on"), results.get(f"{executor}, tracing off")
         if on and off:
             print(f"ratio tracing on / off ({executor}): {on / off:.3f}x")
-    tps_ss = max(results.values())
-    if args.skip_transformers:
-        return
-    t_hf = run_transformers(model_dir, workload, args.hf_batch_size)
-    tps_hf = workload.num_output_tokens / t_hf
-    print(
-        f"transformers: {t_hf:8.1f} s  {tps_hf:7.1f} output tok/s  "
-        f"(static batches of {args.hf_batch_size}, length-sorted)"
-    )
-    print(f"ratio stepscope / transformers: {tps_ss / tps_hf:.2f}x")
+    best = max(results.values())
+    return best, flops / (workload.num_output_tokens / best) / 1e9 / peak

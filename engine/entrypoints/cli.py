@@ -177,6 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="off",
         help="off, on (spans into a DuckDB file), or 'off,on' to compare them in one run",
     )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32, bfloat16, or 'float32,bfloat16': the whole comparison once per dtype",
+    )
+    p.add_argument(
+        "--force-dtype",
+        action="store_true",
+        help="run a dtype even where its matmul is emulated on this CPU (slow)",
+    )
     p.set_defaults(func=_bench_offline)
 
     p = bench_sub.add_parser("serve", help="the same workload, streamed to a running server")

@@ -1,0 +1,55 @@
+"""`stepscope bench offline --dtype`: stepscope and transformers side by side in each dtype."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+from stepscope.engine.bench import offline
+from stepscope.engine.entrypoints.cli import build_parser
+from tests.server_utils import CLI
+
+SMALL = [
+    "--model", "tiny-llama", "--num-requests", "3", "--min-prompt", "8", "--max-prompt", "24",
+    "--min-output", "4", "--max-output", "6", "--hf-batch-size", "3",
+]  # fmt: skip
+
+
+def test_each_dtype_gets_its_roofline_tok_s_and_ratio() -> None:
+    out = subprocess.run(
+        [*CLI, "bench", "offline", *SMALL, "--dtype", "float32,bfloat16", "--force-dtype"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    ).stdout
+    for dtype in ("float32", "bfloat16"):
+        assert re.search(rf"matmul roofline: [\d.]+ GFLOP/s \(2048\^3 {dtype}\)", out), out
+        assert re.search(rf"stepscope \(uni, {dtype}\):.* output tok/s  MFU \d+%", out), out
+        assert re.search(rf"transformers \({dtype}\):.* output tok/s", out), out
+        assert re.search(rf"ratio stepscope / transformers \({dtype}\): [\d.]+x", out), out
+    summary = out.split("--- summary")[1]
+    assert summary.count("ratio") == 2, summary
+
+
+def test_an_emulated_dtype_is_skipped_with_its_measured_rate(monkeypatch, capsys) -> None:
+    # As if bfloat16's matmul ran at a third of float32's rate: below the threshold, skipped.
+    probe = {torch.float32: 90.0, torch.bfloat16: 30.0}
+    monkeypatch.setattr(offline, "NATIVE_FRACTION", 0.5)
+    monkeypatch.setattr(offline, "matmul_peak_gflops", lambda dtype, n, reps: probe[dtype])
+    args = build_parser().parse_args(
+        ["bench", "offline", *SMALL, "--dtype", "bfloat16", "--skip-transformers"]
+    )
+    offline.bench_offline(args)
+    out = capsys.readouterr().out
+    assert "bfloat16: skipped: its matmul runs at 30.0 GFLOP/s, 0.33x float32's 90.0" in out
+    assert "stepscope (uni" not in out  # nothing ran in the skipped dtype
+
+
+def test_unknown_dtype_is_refused_before_any_run() -> None:
+    args = build_parser().parse_args(["bench", "offline", *SMALL, "--dtype", "float8"])
+    with pytest.raises(SystemExit, match="unknown"):
+        offline.bench_offline(args)
