@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stepscope.engine.models.linear import make_linear
 from stepscope.engine.worker.attention import AttentionBackend, AttentionMetadata
 
 
@@ -54,13 +55,14 @@ class LlamaShape:
 
 
 class LlamaLayer:
-    def __init__(self, w: dict[str, torch.Tensor], shape: LlamaShape, tp_size: int) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], shape: LlamaShape, tp_size: int, pack) -> None:
         self.input_norm = w["input_layernorm.weight"]
         self.post_norm = w["post_attention_layernorm.weight"]
-        self.qkv = w["qkv_proj.weight"]  # [(H + 2 * KVH) * D / tp, hidden]
-        self.o_proj = w["o_proj.weight"]  # [hidden, H * D / tp]
-        self.gate_up = w["gate_up_proj.weight"]  # [2 * intermediate / tp, hidden]
-        self.down = w["down_proj.weight"]  # [hidden, intermediate / tp]
+        # Projection weights as the linear op wants them (packed once for oneDNN bfloat16).
+        self.qkv = pack(w["qkv_proj.weight"])  # [(H + 2 * KVH) * D / tp, hidden]
+        self.o_proj = pack(w["o_proj.weight"])  # [hidden, H * D / tp]
+        self.gate_up = pack(w["gate_up_proj.weight"])  # [2 * intermediate / tp, hidden]
+        self.down = pack(w["down_proj.weight"])  # [hidden, intermediate / tp]
         self.num_heads = shape.num_heads // tp_size
         self.num_kv_heads = shape.num_kv_heads // tp_size
         self.head_dim = shape.head_dim
@@ -95,12 +97,16 @@ class LlamaModel:
         self.dtype = dtype
         self.tp_size = tp_size
         self.all_reduce = all_reduce
+        self.linear = make_linear(device, dtype)
         w = {k: v.to(dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"].to(device)
         self.norm = w["model.norm.weight"].to(device)
-        self.lm_head = self.embed if shape.tie_word_embeddings else w["lm_head.weight"].to(device)
+        head = self.embed if shape.tie_word_embeddings else w["lm_head.weight"].to(device)
+        self.lm_head = self.linear.pack(head)
         self.layers = [
-            LlamaLayer(self._layer_weights(w, i, tp_rank, tp_size), shape, tp_size)
+            LlamaLayer(
+                self._layer_weights(w, i, tp_rank, tp_size), shape, tp_size, self.linear.pack
+            )
             for i in range(shape.num_layers)
         ]
         self.rope_cache = self.ops.rope_cache(
@@ -148,7 +154,7 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        ops = self.ops
+        ops, linear = self.ops, self.linear
         x = F.embedding(input_ids, self.embed)
         residual = None  # the residual stream; x is the last sub-layer's output until it is added
         n = input_ids.shape[0]
@@ -157,17 +163,17 @@ class LlamaModel:
                 x, residual = ops.rms_norm(x, layer.input_norm, layer.eps), x
             else:
                 x, residual = ops.add_rms_norm(x, residual, layer.input_norm, layer.eps)
-            qkv = F.linear(x, layer.qkv)
+            qkv = linear(x, layer.qkv)
             hq, hk = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
             q = qkv[:, :hq].view(n, layer.num_heads, layer.head_dim)
             k = qkv[:, hq : hq + hk].view(n, layer.num_kv_heads, layer.head_dim)
             v = qkv[:, hq + hk :].view(n, layer.num_kv_heads, layer.head_dim)
             q, k = ops.rotary(positions, q, k, self.rope_cache)
             o = self.attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, layer.scale)
-            x = self._reduce(F.linear(o.reshape(n, hq), layer.o_proj))
+            x = self._reduce(linear(o.reshape(n, hq), layer.o_proj))
             x, residual = ops.add_rms_norm(x, residual, layer.post_norm, layer.eps)
-            x = self._reduce(F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down))
+            x = self._reduce(linear(ops.silu_and_mul(linear(x, layer.gate_up)), layer.down))
         return ops.add_rms_norm(x, residual, self.norm, self.shape.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()
