@@ -11,7 +11,8 @@ from stepscope.traces.names import RequestEvent
 class RequestMetrics:
     """Wall-clock times (time.time()) of one request's path through the engine."""
 
-    arrival_time: float
+    arrival_time: float  # the API process got the request (before tokenizing it)
+    queued_time: float | None = None  # the engine core got it
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -22,6 +23,7 @@ class RequestMetrics:
         self, events: dict[str, float], num_cached_tokens: int, num_preemptions: int
     ) -> None:
         """Take in what one EngineCoreOutput says about the request's timeline."""
+        self.queued_time = events.get(RequestEvent.QUEUED, self.queued_time)
         self.first_scheduled_time = events.get(RequestEvent.SCHEDULED, self.first_scheduled_time)
         self.first_token_time = events.get(RequestEvent.FIRST_TOKEN, self.first_token_time)
         self.num_cached_tokens = num_cached_tokens
@@ -29,9 +31,11 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
+        """Time in the engine core's waiting queue before first being scheduled (stage 3)."""
         if self.first_scheduled_time is None:
             return None
-        return self.first_scheduled_time - self.arrival_time
+        queued = self.arrival_time if self.queued_time is None else self.queued_time
+        return self.first_scheduled_time - queued
 
     @property
     def ttft(self) -> float | None:

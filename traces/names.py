@@ -74,7 +74,7 @@ class RequestEvent(StrEnum):
     """Events on the request span, each at the time it happened. The engine core reports them
     in `EngineCoreOutput.events`, keyed by these; the span and the trace file hold the values."""
 
-    QUEUED = "queued"  # the engine core took the request in (its arrival time)
+    QUEUED = "queued"  # the engine core received the request (stage 3 starts)
     SCHEDULED = "scheduled"  # first admitted by the scheduler
     FIRST_TOKEN = "first_token"  # first token sampled
     PREEMPTED = "preempted"  # preempted (recompute); the count is NUM_PREEMPTIONS

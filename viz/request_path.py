@@ -1,12 +1,15 @@
-"""The seed's ten stages of one request's path (section 05), measured from its spans.
+"""The ten stages of one request's path (docs/request-path.md, section 2), measured from its spans.
 
-`STAGES` is the one place that says, for each stage, which process runs it, what it does, which
-object crosses a boundary there, and which spans measure it. `stage_occurrences` turns a request's
-spans into one row per occurrence of each stage (stages 4 to 9 repeat once per step that served
-the request; an engine-core -> worker crossing once per worker rank).
+`STAGES` is the one place in code that says, for each stage, which process runs it, what it does,
+which object crosses a boundary there, and which spans measure it; the table in
+docs/request-path.md lists the same stages (a test keeps the two in step). `stage_occurrences`
+turns a request's spans into one row per occurrence of each stage: stages 4 to 8 once per step
+that served the request (5 and 6 once per worker rank), stage 9 once per step that gave it tokens,
+stage 3 again after each preemption.
 
-The seed counts HTTP parsing and tokenization as one stage: no span separates them, so stage 1
-runs from the request span's start to the start of its `EngineCoreRequest` send.
+HTTP parsing and tokenization are one stage: no span separates them, so stage 1 runs from the
+request span's start (when the API process got the request, before tokenizing it) to the start of
+its `EngineCoreRequest` send.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ class EngineCoreProc:
                 request = traced_receive(
                     crossing.API_TO_ENGINE_CORE, add_decoder.decode, payload.buffer
                 )
-                self.input_queue.put((kind, request))
+                # Queued from now (stage 3), though the busy loop may still be in a step.
+                self.input_queue.put((kind, (request, time.time())))
             elif kind == RequestKind.ABORT:
                 self.input_queue.put((kind, abort_decoder.decode(payload.buffer)))
             elif kind == RequestKind.UTILITY:
@@ -128,11 +129,12 @@ class EngineCoreProc:
 
     def _handle(self, kind: bytes, msg: Any) -> None:
         if kind == RequestKind.ADD:
+            request, received = msg
             try:
-                self.core.add_request(msg)
+                self.core.add_request(request, queued_time=received)
             except ValueError as e:
                 # Validated in the API process already; a duplicate id still must not kill us.
-                self.output_queue.put((OutputKind.OUTPUTS, _rejected(msg.request_id, str(e))))
+                self.output_queue.put((OutputKind.OUTPUTS, _rejected(request.request_id, str(e))))
         elif kind == RequestKind.ABORT:
             self.core.abort_requests(msg)
         elif kind == RequestKind.UTILITY:

@@ -119,7 +119,9 @@ class EngineCore:
             "stepscope:tokens_per_step", "Tokens scheduled per step.", TOKENS_PER_STEP_BUCKETS
         )
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, queued_time: float | None = None) -> None:
+        """Queue a request. `queued_time` is when this process received it (default: now): the
+        `queued` event, where stage 3 starts."""
         link = request_link(request.trace_context)
         if link is not None:
             self.request_links[request.request_id] = link
@@ -131,6 +133,7 @@ class EngineCore:
                 eos_token_id=request.eos_token_id,
                 block_size=self.config.block_size,
                 arrival_time=request.arrival_time,
+                queued_time=time.time() if queued_time is None else queued_time,
             )
         )
 

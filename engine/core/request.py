@@ -47,7 +47,7 @@ def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> 
 class RequestEvents:
     """Wall-clock times (time.time()) of the moments a request passes through the engine core."""
 
-    arrival: float = 0.0
+    queued: float = 0.0  # when the engine core received the request
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
@@ -58,7 +58,7 @@ class RequestEvents:
         request's first tokens, `finished` (and its last preemption) with its last."""
         events: dict[str, float] = {}
         if first_tokens:
-            events[RequestEvent.QUEUED] = self.arrival
+            events[RequestEvent.QUEUED] = self.queued
             if self.first_scheduled is not None:
                 events[RequestEvent.SCHEDULED] = self.first_scheduled
             events[RequestEvent.FIRST_TOKEN] = now
@@ -76,7 +76,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None
     block_size: int
-    arrival_time: float = field(default_factory=time.time)
+    arrival_time: float = field(default_factory=time.time)  # when the API process got it
+    queued_time: float | None = None  # when the engine core got it (default: arrival_time)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -91,7 +92,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        self.events = RequestEvents(arrival=self.arrival_time)
+        queued = self.arrival_time if self.queued_time is None else self.queued_time
+        self.events = RequestEvents(queued=queued)
         self._update_block_hashes()
 
     @property

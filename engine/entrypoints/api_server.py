@@ -233,6 +233,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        received = time.time()  # stage 1 starts here: tokenizing is part of it
         s: ServerState = request.app.state.s
         _check_model(s, body.model)
         prompts = _completion_prompts(body.prompt)
@@ -247,10 +248,13 @@ def build_app(
             body, max_tokens, body.logprobs, body.logprobs if body.echo else None
         )
         token_lists = [_tokenize(s, p) for p in prompts]
-        return await _serve(s, request, body, "text_completion", token_lists, params, echo)
+        return await _serve(
+            s, request, body, "text_completion", token_lists, params, received, echo
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        received = time.time()
         s: ServerState = request.app.state.s
         _check_model(s, body.model)
         top = body.top_logprobs if body.top_logprobs is not None else 0
@@ -264,7 +268,7 @@ def build_app(
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
         _check_length(s, ids, params)
-        return await _serve(s, request, body, "chat", [ids], params)
+        return await _serve(s, request, body, "chat", [ids], params, received)
 
     return app
 
@@ -435,6 +439,7 @@ async def _serve(
     kind: str,
     token_lists: list[list[int]],
     params: SamplingParams,
+    received: float,
     echo: _Echo | None = None,
 ) -> Any:
     for ids in token_lists:
@@ -459,7 +464,7 @@ async def _serve(
     ]
     operation = names.OPERATION_CHAT if kind == "chat" else names.OPERATION_TEXT_COMPLETION
     headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
-    stream = _merged(s, children, slot, operation, headers)
+    stream = _merged(s, children, slot, operation, headers, received)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -486,12 +491,21 @@ class _Slot:
 
 
 async def _merged(
-    s: ServerState, children: list, slot: _Slot, operation: str, headers: dict[str, str]
+    s: ServerState,
+    children: list,
+    slot: _Slot,
+    operation: str,
+    headers: dict[str, str],
+    received: float,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the outputs of every child request as they arrive."""
     streams = {
         index: _observed(
-            s, len(ids), s.engine.generate(ids, p, rid, operation=operation, trace_headers=headers)
+            s,
+            len(ids),
+            s.engine.generate(
+                ids, p, rid, operation=operation, trace_headers=headers, arrival_time=received
+            ),
         )
         for index, ids, p, rid in children
     }

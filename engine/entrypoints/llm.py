@@ -1,11 +1,18 @@
-"""The offline entry point: `LLM(...).generate(prompts, params)` (the whole request path in one
-process, with an in-process engine-core client and no ZMQ boundary).
+"""The offline entry point: `LLM(...).generate(prompts, params)`.
+
+One setting, `executor`, chooses both where the engine core runs and where the worker runs
+(vLLM chooses them apart; see docs/request-path.md, section 1). `"uni"` (the default) runs the
+whole request path in this process: an in-process engine-core client with the worker inside the
+engine core, no ZMQ boundary, as vLLM does with VLLM_ENABLE_V1_MULTIPROCESSING=0. `"mp"` runs the
+engine core in its own process over ZMQ (`SyncMPClient`, vLLM's offline default) and one worker
+process per tensor-parallel rank.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +48,7 @@ Conversation = list[dict[str, str]]
 
 
 class LLM:
-    """Offline inference. The engine core runs in this process (`executor="uni"`)."""
+    """Offline inference: in this process (`executor="uni"`) or across processes (`"mp"`)."""
 
     def __init__(
         self,
@@ -153,6 +160,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        arrival_time = time.time()  # every prompt arrives now, before it is tokenized
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -160,7 +168,7 @@ class LLM:
         prompts = list(prompts)
         token_lists = [self.processor.tokenize(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
-        return self._run(texts, token_lists, sampling_params, use_tqdm)
+        return self._run(texts, token_lists, sampling_params, use_tqdm, arrival_time)
 
     def chat(
         self,
@@ -168,10 +176,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        arrival_time = time.time()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_lists = [self.processor.apply_chat_template(list(c)) for c in conversations]
         texts = [self.tokenizer.decode(t) for t in token_lists]
-        return self._run(texts, token_lists, sampling_params, use_tqdm, texts_are_prompts=False)
+        return self._run(
+            texts, token_lists, sampling_params, use_tqdm, arrival_time, texts_are_prompts=False
+        )
 
     @property
     def engine_core(self) -> EngineCore:
@@ -214,6 +225,7 @@ class LLM:
         token_lists: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        arrival_time: float,
         texts_are_prompts: bool = True,
     ) -> list[RequestOutput]:
         if sampling_params is None:
@@ -230,7 +242,7 @@ class LLM:
         request_ids = [str(next(self._ids)) for _ in token_lists]
         families = [
             [
-                self.processor.process(child_id, tokens, child_params)
+                self.processor.process(child_id, tokens, child_params, arrival_time)
                 for child_id, child_params in child_requests(rid, params)
             ]
             for rid, tokens, params in zip(request_ids, token_lists, params_list, strict=True)

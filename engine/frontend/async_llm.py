@@ -9,6 +9,7 @@ the previous one. Closing the iterator early (a client that went away) aborts th
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -65,16 +66,20 @@ class AsyncLLM:
         *,
         operation: str = names.OPERATION_TEXT_COMPLETION,
         trace_headers: Mapping[str, str] | None = None,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs of one request. `trace_headers` (an incoming W3C `traceparent`)
-        become the parent of the request's span."""
+        become the parent of the request's span; `arrival_time` (default: now) is when the
+        request came in, before its prompt was tokenized."""
+        if arrival_time is None:
+            arrival_time = time.time()
         self._ensure_started()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         token_ids = self.processor.tokenize(prompt)
-        request = self.processor.process(request_id, token_ids, sampling_params)
+        request = self.processor.process(request_id, token_ids, sampling_params, arrival_time)
         state = self.output_processor.add_request(
             request, operation=operation, stream=True, trace_headers=trace_headers
         )

@@ -43,8 +43,15 @@ class InputProcessor:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def process(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> EngineCoreRequest:
+        """The validated request. `arrival_time` is when the caller got the prompt, before it
+        was tokenized (now, if not given): the request span starts there, so stage 1 covers
+        tokenizing."""
         self.validate_prompt(prompt_token_ids)
         self.validate_max_tokens(prompt_token_ids, params)
         self.validate_token_ids(params)
@@ -53,7 +60,7 @@ class InputProcessor:
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
-            arrival_time=time.time(),
+            arrival_time=time.time() if arrival_time is None else arrival_time,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

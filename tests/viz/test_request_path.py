@@ -3,6 +3,9 @@ built over it (no browser)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
@@ -30,6 +33,15 @@ def test_ten_stages_cover_the_four_boundaries_once_each():
     assert "never text" in STAGES[8].action
 
 
+def test_the_guide_lists_the_same_ten_stages_as_the_dashboard():
+    guide = Path(__file__).resolve().parents[2] / "docs" / "request-path.md"
+    rows = re.findall(r"^\| (\d+) \| ([^|]+?) \| ([^|]+?) \|", guide.read_text(), re.MULTILINE)
+    assert [(int(num), name) for num, name, _ in rows] == [(s.number, s.name) for s in STAGES]
+    for (_, _, process), stage in zip(rows, STAGES, strict=True):
+        expected = "boundary" if "->" in stage.process else stage.process
+        assert process.startswith(expected), (stage.name, process)
+
+
 def _first_request(source) -> str:
     return source.query("SELECT request_id FROM requests ORDER BY start_ns LIMIT 1").iloc[0, 0]
 
@@ -47,6 +59,8 @@ def test_every_stage_is_measured_for_a_request(source):
     # Stages happen in order within the request's life.
     first = occ.groupby("stage")["start_ns"].min()
     assert first[1] <= first[2] <= first[4] <= first[5] <= first[6] <= first[8] <= first[10]
+    # The waiting queue starts once the engine core has the request, not before.
+    assert first[3] >= occ.loc[occ["stage"] == 2, "end_ns"].min()
     assert occ["start_ns"].min() >= request["start_ns"]
     # Only rank 0 replies: another rank may end its last forward after the request has finished.
     caused = occ[(occ["stage"] != 6) | (occ["rank"] == 0)]

@@ -104,6 +104,7 @@ def test_final_output_holds_whole_text_logprobs_and_metrics(tok: Any, ids: list[
     assert completion.logprobs == [{t: -float(t)} for t in ids]
     assert out.metrics == RequestMetrics(
         arrival_time=ARRIVAL,
+        queued_time=ARRIVAL,
         first_scheduled_time=ARRIVAL + 1,
         first_token_time=ARRIVAL + 2,
         finished_time=ARRIVAL + 3,
