@@ -1,15 +1,25 @@
-"""The scheduler simulator of the seed's section 03, computed by the real scheduler (stage 3).
+"""The scheduler simulator: the budget walkthrough, answered by the real scheduler (stage 3).
 
 `simulate_step` puts the real `Scheduler` and `KVCacheManager` in the walkthrough's state
-(`running` decode requests, each part way through its last KV block so its next token needs no new
-block; a pool with exactly `free_blocks` free; prefix caching off), adds one waiting request of
-`prompt_len` tokens and runs one real `schedule()`. The answer is read from the `SchedulerOutput`
-and the KV manager, not recomputed: the seed's arithmetic is what the tests check it against.
+(`running` decode requests, a pool with exactly `free_blocks` free, prefix caching off), adds one
+waiting request of `prompt_len` tokens and runs one real `schedule()`. Every answer is read from
+what the scheduler did, not worked out with a formula:
+
+- the step's `SchedulerOutput` and KV manager give the decode tokens, what is left of the budget
+  and, when the prompt gets in, its first chunk and the blocks that chunk took;
+- a copy of the same state whose pool has room for the whole prompt is stepped, `schedule()` after
+  `schedule()`, until the prompt is prefilled: the steps it took are `num_chunks`, and when the
+  real step refused the prompt, the copy's first step says what it asked for (its first chunk and
+  blocks; `blocks_short` is those blocks less the ones the real step left free).
+
+By default every decode sits part way through its last block, so its next token fits in a slot
+it already holds. `decodes_crossing` of them can instead sit at the end of a full block, so that
+each needs a new block this step, as every decode does once every `block_size` tokens.
 
 `simulate_steps` runs the same state for many steps (`schedule()` + `update_from_output()` with
-fake sampled tokens) and shows what the seed's calculator leaves out: a prefill chunked over
-several steps, decodes crossing into a new block, a prefix-cache hit for a second request with
-the same prompt, and recompute preemption when the pool runs dry.
+fake sampled tokens) and shows what one step cannot: a prefill chunked over several steps,
+decodes crossing into a new block, a prefix-cache hit for a second request with the same prompt,
+and recompute preemption when the pool runs dry.
 """
 
 from __future__ import annotations
@@ -23,14 +33,19 @@ from stepscope.engine.core.scheduler import Scheduler
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.sampling_params import SamplingParams
 
-# The seed's walkthrough settings (section 03) and its two worked examples.
-SEED_SETTINGS = {"budget": 2048, "block_size": 64, "max_num_seqs": 256}
+# The walkthrough's settings (budget, block size, sequence cap) and its two worked examples.
+WALKTHROUGH_SETTINGS = {"budget": 2048, "block_size": 64, "max_num_seqs": 256}
 GROUP_A = {"running": 64, "prompt_len": 3968, "free_blocks": 64}
 GROUP_B = {"running": 127, "prompt_len": 1920, "free_blocks": 16}
+
+# `num_chunks` is counted by stepping the scheduler; past this many steps it is left as None
+# (a prompt that slow to get in is the answer already, and a slider must stay responsive).
+MAX_CHUNK_STEPS = 128
 
 _MAX_MODEL_LEN = 1 << 30  # no length limit gets in the way of the simulated requests
 _NO_LIMIT = SamplingParams(max_tokens=None, temperature=0.0)
 _FILLER_ID = "reserved"
+_WAITING_ID = "waiting"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,14 +59,18 @@ class StepResult:
     block_size: int
     max_num_seqs: int
     decode_tokens: int  # running decodes scheduled this step (one token each)
-    prefill_budget: int  # tokens left for the waiting request after the decodes
-    first_chunk: int  # tokens of the waiting prompt this step (what it would get, if refused)
-    num_chunks: int | None  # steps to prefill the prompt at this decode load (None: no budget)
-    first_chunk_blocks: int  # KV blocks the first chunk needs
+    prefill_budget: int  # tokens left for the waiting request after the running requests
+    first_chunk: int  # tokens of the waiting prompt this step (what it asked for, if refused)
+    # Steps the scheduler took to prefill the whole prompt at this decode load, in a pool with
+    # room for it (None: no budget left, or more than MAX_CHUNK_STEPS steps).
+    num_chunks: int | None
+    first_chunk_blocks: int  # KV blocks the first chunk takes (or asked for, if refused)
     admitted: bool
     blocks_short: int  # blocks missing for the first chunk (0 when they fit)
     blocked_by_max_seqs: bool  # refused because max_num_seqs requests already run
     kv_free_after: int  # free blocks once the step is scheduled
+    decodes_new_block: int = 0  # running decodes that took a new block this step
+    preempted: tuple[str, ...] = ()  # running requests preempted this step (no admission then)
 
     @property
     def verdict(self) -> str:
@@ -61,6 +80,8 @@ class StepResult:
             return "not admitted: no token budget left"
         if self.blocked_by_max_seqs:
             return f"not admitted: max_num_seqs ({self.max_num_seqs}) reached"
+        if self.preempted:
+            return f"not admitted: the step preempted {', '.join(self.preempted)}"
         return f"not admitted: short by {self.blocks_short} blocks"
 
 
@@ -85,7 +106,13 @@ class SimStep:
 
 
 def _check(
-    running: int, prompt_len: int, free_blocks: int, budget: int, block_size: int, max_num_seqs: int
+    running: int,
+    prompt_len: int,
+    free_blocks: int,
+    budget: int,
+    block_size: int,
+    max_num_seqs: int,
+    decodes_crossing: int,
 ) -> None:
     if running < 0:
         raise ValueError(f"running must be >= 0, got {running}")
@@ -100,6 +127,10 @@ def _check(
         raise ValueError(f"block_size must be at least 2, got {block_size}")
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    if not 0 <= decodes_crossing <= running:
+        raise ValueError(
+            f"decodes_crossing must be between 0 and running ({running}), got {decodes_crossing}"
+        )
 
 
 class _Tokens:
@@ -134,13 +165,15 @@ def _build(
     max_num_seqs: int,
     prefix_caching: bool,
     tokens: _Tokens,
+    decodes_crossing: int = 0,
 ) -> Scheduler:
     """A real scheduler with `running` decodes in flight and exactly `free_blocks` free blocks.
 
     The decodes get there the real way: admitted, prefilled in one step, one token sampled. Each
-    prompt is shorter than a block, so the next token's slot is already allocated (mid-block);
-    their lengths are staggered so that, over many steps, they cross block boundaries at
-    different steps.
+    prompt fits in one block. The first `decodes_crossing` prompts fill their block exactly, so
+    the sampled token's slot is in a block not yet allocated; the others are shorter, so the next
+    token's slot is already theirs (mid-block), and their lengths are staggered so that, over
+    many steps, they cross block boundaries at different steps.
     """
     num_blocks = running + free_blocks
     kv = KVCacheManager(max(num_blocks, 1), block_size, enable_caching=prefix_caching)
@@ -148,7 +181,10 @@ def _build(
         # A pool needs a block: hold the only one outside the scheduler.
         filler = Request(_FILLER_ID, tokens.take(1), _NO_LIMIT, None, block_size)
         kv.allocate_slots(filler, 1)
-    lengths = [1 + i * (block_size - 1) // running for i in range(running)]
+    lengths = [
+        block_size if i < decodes_crossing else 1 + i * (block_size - 1) // running
+        for i in range(running)
+    ]
     scheduler = Scheduler(
         kv,
         max_num_batched_tokens=max(budget, sum(lengths)),
@@ -167,6 +203,62 @@ def _build(
     return scheduler
 
 
+def _decodes_new_block(output: SchedulerOutput) -> int:
+    """Running requests scheduled for one token that were given a new block for it."""
+    cached = output.scheduled_cached_reqs
+    return sum(
+        1
+        for req_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True)
+        if blocks and output.num_scheduled_tokens[req_id] == 1
+    )
+
+
+def _prefill_with_room(
+    running: int,
+    prompt_len: int,
+    budget: int,
+    block_size: int,
+    max_num_seqs: int,
+    decodes_crossing: int,
+) -> tuple[list[int], int]:
+    """Step a copy of the state, with room for everything, until the waiting prompt is prefilled.
+
+    Returns the prompt's chunks, one per step (empty if it never got in, cut short after
+    MAX_CHUNK_STEPS), and the blocks its first chunk took. The pool is sized so that neither the
+    prompt nor the decodes (one new block each every `block_size` steps) can run it dry, and one
+    sequence slot is kept for the prompt, so only the token budget shapes the chunks.
+    """
+    tokens = _Tokens()
+    decode_growth = running * (cdiv(MAX_CHUNK_STEPS, block_size) + 1)
+    room = cdiv(prompt_len, block_size) + decode_growth
+    scheduler = _build(
+        running,
+        room,
+        budget,
+        block_size,
+        max(max_num_seqs, running + 1),
+        False,
+        tokens,
+        decodes_crossing,
+    )
+    waiting = Request(_WAITING_ID, tokens.take(prompt_len), _NO_LIMIT, None, block_size)
+    scheduler.add_request(waiting)
+    chunks: list[int] = []
+    first_blocks = 0
+    for _ in range(MAX_CHUNK_STEPS):
+        output = scheduler.schedule()
+        chunk = output.num_scheduled_tokens.get(_WAITING_ID, 0)
+        if not chunk:
+            break
+        if not chunks:
+            first_blocks = len(scheduler.kv.block_ids(_WAITING_ID))
+        chunks.append(chunk)
+        if waiting.num_computed_tokens >= prompt_len:
+            return chunks, first_blocks
+        scheduler.update_from_output(output, _sample(output, scheduler, tokens))
+    return chunks, first_blocks
+
+
 def simulate_step(
     running: int,
     prompt_len: int,
@@ -174,31 +266,38 @@ def simulate_step(
     budget: int = 2048,
     block_size: int = 64,
     max_num_seqs: int = 256,
+    *,
+    decodes_crossing: int = 0,
 ) -> StepResult:
-    """One real `schedule()` of the seed's walkthrough state; see the module docstring."""
-    _check(running, prompt_len, free_blocks, budget, block_size, max_num_seqs)
+    """One real `schedule()` of the walkthrough state; see the module docstring."""
+    _check(running, prompt_len, free_blocks, budget, block_size, max_num_seqs, decodes_crossing)
     tokens = _Tokens()
-    scheduler = _build(running, free_blocks, budget, block_size, max_num_seqs, False, tokens)
+    scheduler = _build(
+        running, free_blocks, budget, block_size, max_num_seqs, False, tokens, decodes_crossing
+    )
     kv = scheduler.kv
-    waiting = Request("waiting", tokens.take(prompt_len), _NO_LIMIT, None, block_size)
+    waiting = Request(_WAITING_ID, tokens.take(prompt_len), _NO_LIMIT, None, block_size)
     scheduler.add_request(waiting)
 
     output = scheduler.schedule()
     stats = scheduler.last_stats
-    admitted = waiting.request_id in output.num_scheduled_tokens
-    decode_tokens = stats.num_decode_tokens
-    running_tokens = output.total_num_scheduled_tokens
+    admitted = _WAITING_ID in output.num_scheduled_tokens
+    prefill_budget = budget - output.total_num_scheduled_tokens
+    first_chunk = first_chunk_blocks = 0
     if admitted:
-        first_chunk = output.num_scheduled_tokens[waiting.request_id]
-        running_tokens -= first_chunk
-        first_chunk_blocks = len(kv.block_ids(waiting.request_id))
-    prefill_budget = budget - running_tokens
-    if not admitted:
-        # What the waiting request would have asked `allocate_slots` for.
-        first_chunk = min(prompt_len, prefill_budget)
-        first_chunk_blocks = cdiv(first_chunk, block_size)
+        first_chunk = output.num_scheduled_tokens[_WAITING_ID]
+        first_chunk_blocks = len(kv.block_ids(_WAITING_ID))
+        prefill_budget += first_chunk
+
+    chunks: list[int] = []
+    if prefill_budget > 0:
+        chunks, room_first_blocks = _prefill_with_room(
+            running, prompt_len, budget, block_size, max_num_seqs, decodes_crossing
+        )
+        if not admitted and chunks:
+            first_chunk, first_chunk_blocks = chunks[0], room_first_blocks
+    prefilled = sum(chunks) >= prompt_len
     blocked_by_max_seqs = not admitted and len(scheduler.running) >= max_num_seqs
-    blocks_short = 0 if admitted else max(first_chunk_blocks - kv.num_free_blocks, 0)
     return StepResult(
         running=running,
         prompt_len=prompt_len,
@@ -206,15 +305,17 @@ def simulate_step(
         budget=budget,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
-        decode_tokens=decode_tokens,
+        decode_tokens=stats.num_decode_tokens,
         prefill_budget=prefill_budget,
         first_chunk=first_chunk,
-        num_chunks=cdiv(prompt_len, prefill_budget) if prefill_budget > 0 else None,
+        num_chunks=len(chunks) if prefilled else None,
         first_chunk_blocks=first_chunk_blocks,
         admitted=admitted,
-        blocks_short=blocks_short,
+        blocks_short=0 if admitted else max(first_chunk_blocks - kv.num_free_blocks, 0),
         blocked_by_max_seqs=blocked_by_max_seqs,
         kv_free_after=stats.kv_free_after,
+        decodes_new_block=_decodes_new_block(output),
+        preempted=stats.preempted,
     )
 
 
@@ -230,6 +331,7 @@ def simulate_steps(
     output_len: int = 8,
     repeat_prompt_at: int | None = None,
     prefix_caching: bool = True,
+    decodes_crossing: int = 0,
 ) -> list[SimStep]:
     """Run the walkthrough state for `num_steps` real steps.
 
@@ -238,14 +340,21 @@ def simulate_steps(
     second request with the same prompt (`p1`) arrives at that step and, with prefix caching on,
     finds the blocks `p0` has filled so far in the cache.
     """
-    _check(running, prompt_len, free_blocks, budget, block_size, max_num_seqs)
+    _check(running, prompt_len, free_blocks, budget, block_size, max_num_seqs, decodes_crossing)
     if num_steps < 1:
         raise ValueError(f"num_steps must be at least 1, got {num_steps}")
     if output_len < 1:
         raise ValueError(f"output_len must be at least 1, got {output_len}")
     tokens = _Tokens()
     scheduler = _build(
-        running, free_blocks, budget, block_size, max_num_seqs, prefix_caching, tokens
+        running,
+        free_blocks,
+        budget,
+        block_size,
+        max_num_seqs,
+        prefix_caching,
+        tokens,
+        decodes_crossing,
     )
     params = SamplingParams(max_tokens=output_len, temperature=0.0)
     prompt = tokens.take(prompt_len)
@@ -264,11 +373,8 @@ def simulate_steps(
         stats = scheduler.last_stats
         new_blocks = {r.req_id: len(r.block_ids) for r in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
-        decodes_new_block = 0
         for req_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
             new_blocks[req_id] = len(blocks)
-            if blocks and output.num_scheduled_tokens[req_id] == 1:
-                decodes_new_block += 1
         finished_before = set(scheduler.requests)
         scheduler.update_from_output(output, _sample(output, scheduler, tokens))
         steps.append(
@@ -282,7 +388,7 @@ def simulate_steps(
                 num_waiting=stats.num_waiting,
                 scheduled=dict(output.num_scheduled_tokens),
                 new_blocks=new_blocks,
-                decodes_new_block=decodes_new_block,
+                decodes_new_block=_decodes_new_block(output),
                 prefix_hit_tokens=stats.prefix_hit_tokens,
                 preempted=stats.preempted,
                 finished=tuple(sorted(finished_before - set(scheduler.requests))),

@@ -1,8 +1,9 @@
-"""Dashboard page 1: the seed's section 03 walkthrough, computed by the real scheduler.
+"""Dashboard page 1: how one step's batch is chosen (docs/request-path.md, section 4), computed
+by the real scheduler.
 
 Three sliders (running decode requests, waiting prompt length, free KV blocks) plus the step's
-settings and the seed's presets drive `simulator.simulate_step` (one real `schedule()`) and
-`simulator.simulate_steps` (many real steps), whose answers are shown as readouts and charts.
+settings and the worked examples' presets drive `simulator.simulate_step` (one real `schedule()`)
+and `simulator.simulate_steps` (many real steps), whose answers are shown as readouts and charts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from bokeh.plotting import figure
 from stepscope.viz.simulator import (
     GROUP_A,
     GROUP_B,
-    SEED_SETTINGS,
+    WALKTHROUGH_SETTINGS,
     SimStep,
     StepResult,
     simulate_step,
@@ -28,9 +29,9 @@ from stepscope.viz.ui import COLORS, CSS, TABLE_CSS, cards, new_figure, outside_
 
 # ---- presets ------------------------------------------------------------
 PRESETS: dict[str, dict[str, int]] = {
-    "Seed settings (2048 / 64 / 256)": dict(SEED_SETTINGS),
-    "Group A: admitted": {**SEED_SETTINGS, **GROUP_A},
-    "Group B: short by 14 blocks": {**SEED_SETTINGS, **GROUP_B},
+    "Example settings (2048 / 64 / 256)": dict(WALKTHROUGH_SETTINGS),
+    "Group A: admitted": {**WALKTHROUGH_SETTINGS, **GROUP_A},
+    "Group B: short by 14 blocks": {**WALKTHROUGH_SETTINGS, **GROUP_B},
     "Small pool: chunks, prefix hit, preemption": {
         "budget": 128,
         "block_size": 16,
@@ -46,7 +47,8 @@ PRESETS: dict[str, dict[str, int]] = {
 
 
 class SimulatorPage:
-    """Section 03's three sliders, computed by the real scheduler, one step and many."""
+    """The three sliders of the budget walkthrough, computed by the real scheduler, one step and
+    many."""
 
     def __init__(self) -> None:
         slider = dict(sizing_mode="stretch_width")
@@ -298,10 +300,11 @@ class SimulatorPage:
             sizing_mode="stretch_width",
         )
         intro = pn.pane.Markdown(
-            "The seed's section 03 asks: with this many running decodes, does a waiting prompt "
-            "get into the next step? Every number below comes from one real `schedule()` of "
-            "stepscope's `Scheduler` and `KVCacheManager`, set up in that state (each decode part "
-            "way through a block, prefix caching off).",
+            "With this many running decodes, does a waiting prompt get into the next step? "
+            "Every number below comes from one real `schedule()` of stepscope's `Scheduler` and "
+            "`KVCacheManager`, set up in that state (each decode part way through a block, "
+            "prefix caching off). The budget loop behind it, and the vLLM code it mirrors: "
+            "`docs/request-path.md`, section 4, in the stepscope repository.",
             sizing_mode="stretch_width",
         )
         one_step = pn.Column(

@@ -1,5 +1,6 @@
-"""The scheduler simulator: the real Scheduler reproduces the seed's walkthrough (section 03) and
-its arithmetic, and over many steps shows what the walkthrough cannot."""
+"""The scheduler simulator: the real Scheduler answers the budget walkthrough's two worked
+examples and agrees with the budget and block arithmetic; over many steps it shows what one step
+cannot."""
 
 from __future__ import annotations
 
@@ -9,20 +10,28 @@ import time
 
 import pytest
 
-from stepscope.viz.simulator import GROUP_A, GROUP_B, SEED_SETTINGS, simulate_step, simulate_steps
+from stepscope.viz.simulator import (
+    GROUP_A,
+    GROUP_B,
+    MAX_CHUNK_STEPS,
+    WALKTHROUGH_SETTINGS,
+    simulate_step,
+    simulate_steps,
+)
 
 
-def test_group_a_is_admitted_as_the_seed_says():
-    r = simulate_step(**GROUP_A, **SEED_SETTINGS)
+def test_group_a_is_admitted_with_31_of_64_free_blocks():
+    r = simulate_step(**GROUP_A, **WALKTHROUGH_SETTINGS)
     assert (r.decode_tokens, r.prefill_budget, r.first_chunk) == (64, 1984, 1984)
     assert (r.num_chunks, r.first_chunk_blocks) == (2, 31)
     assert r.admitted and r.blocks_short == 0 and not r.blocked_by_max_seqs
     assert r.kv_free_after == 64 - 31
+    assert r.decodes_new_block == 0 and r.preempted == ()
     assert r.verdict == "admitted"
 
 
-def test_group_b_is_short_by_14_blocks_as_the_seed_says():
-    r = simulate_step(**GROUP_B, **SEED_SETTINGS)
+def test_group_b_is_short_by_14_blocks():
+    r = simulate_step(**GROUP_B, **WALKTHROUGH_SETTINGS)
     assert (r.decode_tokens, r.prefill_budget, r.first_chunk) == (127, 1921, 1920)
     assert (r.num_chunks, r.first_chunk_blocks) == (1, 30)
     assert not r.admitted and r.blocks_short == 14 and not r.blocked_by_max_seqs
@@ -30,8 +39,56 @@ def test_group_b_is_short_by_14_blocks_as_the_seed_says():
     assert r.verdict == "not admitted: short by 14 blocks"
 
 
-def test_defaults_are_the_seed_settings():
-    assert simulate_step(**GROUP_A) == simulate_step(**GROUP_A, **SEED_SETTINGS)
+def test_group_b_gets_in_with_exactly_the_14_blocks_it_lacks():
+    admitted = {
+        extra: "p0"
+        in simulate_steps(**{**GROUP_B, "free_blocks": 16 + extra}, num_steps=1)[0].scheduled
+        for extra in (13, 14)
+    }
+    assert admitted == {13: False, 14: True}
+
+
+def test_group_a_is_refused_when_every_decode_crosses_a_block_boundary():
+    r = simulate_step(**GROUP_A, **WALKTHROUGH_SETTINGS, decodes_crossing=64)
+    assert r.decode_tokens == 64 and r.decodes_new_block == 64  # one new block each
+    assert r.kv_free_after == 0 and r.preempted == ()
+    assert not r.admitted and r.first_chunk_blocks == 31 and r.blocks_short == 31
+    assert r.verdict == "not admitted: short by 31 blocks"
+
+
+@pytest.mark.parametrize("crossing", [0, 1, 32, 33, 34, 63, 64])
+def test_group_a_admitted_while_crossing_decodes_leave_31_blocks(crossing):
+    r = simulate_step(**GROUP_A, **WALKTHROUGH_SETTINGS, decodes_crossing=crossing)
+    assert r.decodes_new_block == crossing
+    assert r.admitted == (64 - crossing >= 31)
+    assert r.blocks_short == max(31 - (64 - crossing), 0)
+
+
+def test_crossing_decodes_beyond_the_free_blocks_preempt_and_stop_admission():
+    # 4 decodes each need a new block and 2 are free: the last running request is preempted
+    # (which frees its block for another decode), and nothing is admitted in such a step.
+    r = simulate_step(running=4, prompt_len=8, free_blocks=2, block_size=16, decodes_crossing=4)
+    assert r.preempted == ("d3",) and r.decode_tokens == 3
+    assert not r.admitted and r.verdict == "not admitted: the step preempted d3"
+
+
+def test_defaults_are_the_walkthrough_settings():
+    assert simulate_step(**GROUP_A) == simulate_step(**GROUP_A, **WALKTHROUGH_SETTINGS)
+
+
+def test_num_chunks_counts_the_steps_simulate_steps_takes():
+    kw = dict(running=8, prompt_len=300, free_blocks=100, budget=64, block_size=16)
+    steps = simulate_steps(**kw, num_steps=10, output_len=2)
+    chunks = [s.scheduled["p0"] for s in steps if s.scheduled.get("p0", 0) > 1]
+    assert sum(chunks) == 300
+    assert simulate_step(**kw).num_chunks == len(chunks) == 6
+
+
+def test_num_chunks_is_none_past_the_step_limit():
+    # 99 decodes leave 1 token a step: the prompt would need 200 steps.
+    r = simulate_step(running=99, prompt_len=200, free_blocks=300, budget=100, block_size=16)
+    assert r.prefill_budget == 1 and r.admitted and MAX_CHUNK_STEPS < 200
+    assert r.num_chunks is None
 
 
 STATES = list(
@@ -85,6 +142,8 @@ def test_bad_settings_are_refused_with_a_reason():
         simulate_step(1, 0, 10)
     with pytest.raises(ValueError, match="free_blocks"):
         simulate_step(1, 10, -1)
+    with pytest.raises(ValueError, match="decodes_crossing"):
+        simulate_step(2, 10, 10, decodes_crossing=3)
 
 
 def test_simulate_step_is_fast_enough_for_a_slider():

@@ -70,26 +70,28 @@ def output_of(outputs: list[EngineCoreOutput], req_id: str) -> EngineCoreOutput:
     return found
 
 
-# ---- the seed's walkthrough (section 03): budget 2048, block size 64, max 256 sequences ---------
+# ---- the budget walkthrough (docs/request-path.md, section 4): budget 2048, block size 64 -------
 
-SEED_BUDGET = 2048
-SEED_BLOCK_SIZE = 64
-SEED_MAX_NUM_SEQS = 256
+WALKTHROUGH_BUDGET = 2048
+WALKTHROUGH_BLOCK_SIZE = 64
+WALKTHROUGH_MAX_NUM_SEQS = 256
 
 
-def seed_scenario(num_running: int, free_blocks: int) -> Scheduler:
+def walkthrough_scenario(num_running: int, free_blocks: int) -> Scheduler:
     """`num_running` requests decoding, each inside its one block, and `free_blocks` free."""
     scheduler = make_scheduler(
         num_running + free_blocks,
-        block_size=SEED_BLOCK_SIZE,
-        budget=SEED_BUDGET,
-        max_num_seqs=SEED_MAX_NUM_SEQS,
+        block_size=WALKTHROUGH_BLOCK_SIZE,
+        budget=WALKTHROUGH_BUDGET,
+        max_num_seqs=WALKTHROUGH_MAX_NUM_SEQS,
         max_model_len=8192,
     )
     for i in range(num_running):
         # 10 prompt tokens: the prefill and the next 54 decodes all fit in one 64-token block,
-        # which is the seed's model of a decode (1 token, no new block).
-        request = make_request(f"decode{i}", tokens(10, start=100 * i), block_size=SEED_BLOCK_SIZE)
+        # which is the walkthrough's model of a decode (1 token, no new block).
+        request = make_request(
+            f"decode{i}", tokens(10, start=100 * i), block_size=WALKTHROUGH_BLOCK_SIZE
+        )
         scheduler.add_request(request)
     out, outputs = step(scheduler)
     assert len(out.scheduled_new_reqs) == num_running
@@ -100,21 +102,21 @@ def seed_scenario(num_running: int, free_blocks: int) -> Scheduler:
     return scheduler
 
 
-def test_seed_group_a_prompt_admitted_beside_64_decodes_and_finished_in_two_chunks() -> None:
-    scheduler = seed_scenario(num_running=64, free_blocks=64)
+def test_walkthrough_group_a_prompt_admitted_beside_64_decodes_and_finished_in_two_chunks() -> None:
+    scheduler = walkthrough_scenario(num_running=64, free_blocks=64)
     kv = scheduler.kv
-    prompt = make_request("prompt", tokens(3968, start=10**6), block_size=SEED_BLOCK_SIZE)
+    prompt = make_request("prompt", tokens(3968, start=10**6), block_size=WALKTHROUGH_BLOCK_SIZE)
     scheduler.add_request(prompt)
 
     out = scheduler.schedule()
 
     decodes = {r: n for r, n in out.num_scheduled_tokens.items() if r != "prompt"}
     assert len(decodes) == 64 and set(decodes.values()) == {1}
-    prefill_budget = SEED_BUDGET - len(decodes)
+    prefill_budget = WALKTHROUGH_BUDGET - len(decodes)
     assert prefill_budget == 1984
     assert out.num_scheduled_tokens["prompt"] == 1984  # the first chunk takes all of it
-    assert out.total_num_scheduled_tokens == SEED_BUDGET
-    assert cdiv(1984, SEED_BLOCK_SIZE) == 31
+    assert out.total_num_scheduled_tokens == WALKTHROUGH_BUDGET
+    assert cdiv(1984, WALKTHROUGH_BLOCK_SIZE) == 31
     assert len(kv.block_ids("prompt")) == 31  # 31 <= 64: admitted
     assert kv.num_free_blocks == 64 - 31
     assert [r.req_id for r in out.scheduled_new_reqs] == ["prompt"]
@@ -128,7 +130,7 @@ def test_seed_group_a_prompt_admitted_beside_64_decodes_and_finished_in_two_chun
     out = scheduler.schedule()  # second and last chunk, again beside the 64 decodes
 
     assert out.num_scheduled_tokens["prompt"] == 3968 - 1984
-    assert out.total_num_scheduled_tokens == SEED_BUDGET
+    assert out.total_num_scheduled_tokens == WALKTHROUGH_BUDGET
     assert out.scheduled_new_reqs == []
     assert prompt.num_computed_tokens == prompt.num_tokens == 3968
     assert len(kv.block_ids("prompt")) == 62
@@ -136,21 +138,21 @@ def test_seed_group_a_prompt_admitted_beside_64_decodes_and_finished_in_two_chun
     assert output_of(outputs, "prompt").new_token_ids == [7]  # 2 chunks, then the first token
 
 
-def test_seed_group_b_prompt_not_admitted_when_blocks_short() -> None:
-    scheduler = seed_scenario(num_running=127, free_blocks=16)
+def test_walkthrough_group_b_prompt_not_admitted_when_blocks_short() -> None:
+    scheduler = walkthrough_scenario(num_running=127, free_blocks=16)
     kv = scheduler.kv
-    prompt = make_request("prompt", tokens(1920, start=10**6), block_size=SEED_BLOCK_SIZE)
+    prompt = make_request("prompt", tokens(1920, start=10**6), block_size=WALKTHROUGH_BLOCK_SIZE)
     scheduler.add_request(prompt)
 
     out = scheduler.schedule()
 
     assert len(out.num_scheduled_tokens) == 127
     assert set(out.num_scheduled_tokens.values()) == {1}
-    budget_left = SEED_BUDGET - out.total_num_scheduled_tokens
+    budget_left = WALKTHROUGH_BUDGET - out.total_num_scheduled_tokens
     assert budget_left == 1921
     first_chunk = min(prompt.num_tokens, budget_left)
     assert first_chunk == 1920  # the whole prompt would be one chunk
-    blocks_needed = cdiv(first_chunk, SEED_BLOCK_SIZE)
+    blocks_needed = cdiv(first_chunk, WALKTHROUGH_BLOCK_SIZE)
     assert blocks_needed == 30
     assert blocks_needed - kv.num_free_blocks == 14  # short by 14: not admitted
     assert "prompt" not in out.num_scheduled_tokens
@@ -162,9 +164,11 @@ def test_seed_group_b_prompt_not_admitted_when_blocks_short() -> None:
     assert scheduler.last_stats.num_prefill_tokens == 0
 
 
-def test_seed_group_b_prompt_admitted_once_30_blocks_are_free() -> None:
-    scheduler = seed_scenario(num_running=127, free_blocks=30)
-    scheduler.add_request(make_request("prompt", tokens(1920, 10**6), block_size=SEED_BLOCK_SIZE))
+def test_walkthrough_group_b_prompt_admitted_once_30_blocks_are_free() -> None:
+    scheduler = walkthrough_scenario(num_running=127, free_blocks=30)
+    scheduler.add_request(
+        make_request("prompt", tokens(1920, 10**6), block_size=WALKTHROUGH_BLOCK_SIZE)
+    )
 
     out = scheduler.schedule()
 
