@@ -1,4 +1,5 @@
-"""Every message that crosses a boundary of the request path, as msgspec structs (stage 5).
+"""Every message that crosses a boundary of the request path, as msgspec structs (stages 2, 5, 7
+and 9 of docs/request-path.md).
 
 | boundary                  | message             |
 |---------------------------|---------------------|

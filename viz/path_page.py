@@ -1,4 +1,5 @@
-"""Dashboard page 2: one request's way through the seed's ten stages, from its spans.
+"""Dashboard page 2: one request's way through the ten stages of docs/request-path.md, from its
+spans.
 
 The stage definitions and the span arithmetic live in `request_path`; this page draws them: a
 waterfall of every occurrence of every stage, the request's headline numbers, and the stage table.
@@ -50,7 +51,7 @@ STAGE_KIND = {
 
 # ---- the page -----------------------------------------------------------------
 class RequestPathPage:
-    """The seed's ten stages, each with the measured spans of one chosen request."""
+    """The ten stages, each with the measured spans of one chosen request."""
 
     def __init__(self, source: TraceSource | None) -> None:
         self.source = source
@@ -140,11 +141,12 @@ class RequestPathPage:
         self.select.param.watch(lambda e: self.show(e.new), "value")
         self.panel = pn.Column(
             pn.pane.Markdown(
-                "A request crosses four process boundaries and ten stages (the seed's section "
-                "05). Pick a request: each stage below shows where it runs, what it does, the "
-                "object that crosses, and the time measured from that request's spans. Stages 4 "
-                "to 9 repeat once per step that served the request; the dashed green line is "
-                "its first token.",
+                "A request goes through ten stages, four of them process boundaries (the table "
+                "and the vLLM code behind each stage: `docs/request-path.md` in the stepscope "
+                "repository). Pick a request: each stage below shows where it runs, what it "
+                "does, the object that crosses, and the time measured from that request's "
+                "spans. Stages 4 to 8 repeat once per step that served the request, stage 9 "
+                "once per step that gave it tokens; the dashed green line is its first token.",
                 sizing_mode="stretch_width",
             ),
             self.empty,

@@ -1,4 +1,4 @@
-"""The KV block pool: fixed-size blocks, a free queue and the prefix-cache index (stage 3).
+"""The KV block pool: fixed-size blocks, a free queue and the prefix-cache index (stage 4).
 
 Engine-core side only: blocks are ids and ref counts, never tensors. The worker owns the memory.
 """

@@ -1,5 +1,5 @@
 """KVCacheManager: which blocks each request holds, prefix-cache lookup and `allocate_slots`
-(stage 3, pass 2 of the scheduler). Engine-core side: no tensors.
+(stage 4: `Scheduler.schedule` calls both). Engine-core side: no tensors.
 """
 
 from __future__ import annotations

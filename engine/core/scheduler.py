@@ -1,4 +1,5 @@
-"""The scheduler: one token budget per step, shared by running and waiting requests (stage 3).
+"""The scheduler: one token budget per step, shared by running and waiting requests (stages 3, 4
+and 8 of docs/request-path.md).
 
 `schedule()` decides how many tokens each request adds this step; `update_from_output()` takes
 the sampled tokens back and checks token-level stop conditions. No tensors here: the worker

@@ -1,5 +1,5 @@
-"""The multi-process executor: one worker process per tensor-parallel rank (stage 5, core ->
-worker -> core, across processes).
+"""The multi-process executor: one worker process per tensor-parallel rank (stages 5 and 7:
+core -> worker -> core, across processes).
 
 Built inside the engine-core process. Workers are started with the "spawn" context (forking a
 process that already runs torch threads can deadlock the child) and each builds its own `Worker`

@@ -1,4 +1,5 @@
-"""Incremental detokenizer: token ids become text in the API process (stage 9 of the request path).
+"""Incremental detokenizer: token ids become text in the API process (stage 10; see
+docs/request-path.md).
 
 The engine core sends back token ids only. Here each request's ids become text a step at a time;
 stop strings are found (the caller then aborts the request in the engine core, finish_reason
@@ -7,10 +8,10 @@ across tokens are held back, so a client is never sent text that must later be t
 
 Decoding goes through `tokenizers.decoders.DecodeStream`: per token it re-decodes only a short
 window, in Rust, and returns None while the bytes of a multibyte character (CJK, emoji split over
-byte-level tokens) are incomplete, so no delta carries a U+FFFD for them. The stream is seeded with
+byte-level tokens) are incomplete, so no delta carries a U+FFFD for them. The stream is primed with
 the prompt's last tokens so that decoders which drop the space of a sequence's first token
 (SentencePiece's ▁) keep the first output token's space, as vLLM does. For byte-level BPE such as
-SmolLM2's the seed changes nothing: with no stop string, `output_text` equals
+SmolLM2's that priming changes nothing: with no stop string, `output_text` equals
 `tokenizer.decode(output_token_ids, skip_special_tokens=...)`, including the bytes of an incomplete
 character the stream still holds when the request finishes.
 """
@@ -43,9 +44,11 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.stop_reason: str | None = None  # the stop string that ended the request, if any
         self._finished = False
-        # A seed ending inside a character would make the stream emit the seed's own text.
-        self._seed = self._clean_context(prompt_token_ids[-CONTEXT_TOKENS:])
-        self._stream = DecodeStream(self._seed, skip_special_tokens=self._skip_special_tokens)
+        # Prompt tokens ending inside a character would make the stream emit their own text.
+        self._prompt_tail = self._clean_context(prompt_token_ids[-CONTEXT_TOKENS:])
+        self._stream = DecodeStream(
+            self._prompt_tail, skip_special_tokens=self._skip_special_tokens
+        )
         self._held_from = 0  # token_ids[_held_from:] are in the stream but not yet in the text
         # The text as parts, so that a step appends in O(new text): `_sent` was returned as
         # deltas, `_unsent` was not (until the end it holds at least the held-back characters).
@@ -164,9 +167,10 @@ class IncrementalDetokenizer:
         return token_ids
 
     def _context_before_held(self) -> list[int]:
-        """The last tokens before the held ones (from the prompt's seed if the output is short)."""
+        """The last tokens before the held ones (from the prompt's last tokens if the output is
+        short)."""
         start = max(self._held_from - CONTEXT_TOKENS, 0)
-        context = (self._seed + self.token_ids[start : self._held_from])[-CONTEXT_TOKENS:]
+        context = (self._prompt_tail + self.token_ids[start : self._held_from])[-CONTEXT_TOKENS:]
         return self._clean_context(context)
 
     def _decode_held(self) -> str:

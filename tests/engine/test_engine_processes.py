@@ -1,7 +1,7 @@
 """The engine across real processes: API (this process) -> engine core -> workers over ZMQ.
 
-Same tokens as in-process, the seed's process count, clear errors when a process dies, and no
-process left behind."""
+Same tokens as in-process, vLLM's process count (1 API + 1 engine core + N workers), clear errors
+when a process dies, and no process left behind."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_mp_executor_gives_the_uni_tokens_with_one_process_per_rank(uni_tokens, 
     with LLM(**TINY, executor="mp", tensor_parallel_size=tp) as llm:
         procs = llm.processes()
         roles = [p.role for p in procs]
-        # The seed's A + DP + N with DP = 1: one API process, one engine core, N workers.
+        # vLLM's A + DP + N with DP = 1: one API process, one engine core, N workers.
         assert roles.count("api") == 1 and roles.count("engine_core") == 1
         assert sorted(p.rank for p in procs if p.role == "worker") == list(range(tp))
         assert len({p.pid for p in procs}) == 2 + tp

@@ -107,7 +107,7 @@ def _press(page: Page, slider: str, key: str, times: int) -> None:
 
 def test_simulator_sliders_drive_the_real_scheduler(empty_page, artifacts):
     page = empty_page
-    _expect_readouts(page, 64, 3968, 64)  # the seed's group A
+    _expect_readouts(page, 64, 3968, 64)  # the walkthrough's group A
     page.expect_text("ro-verdict", "admitted")
 
     _press(page, "sim-running", "ArrowRight", 3)
