@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup demo test bench lint format lab gpu-check gpu-check-dry
+.PHONY: setup demo test bench lint format lab tutorials gpu-check gpu-check-dry
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ bench: setup
 # The tutorials in JupyterLab, on loopback.
 lab: setup
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=tutorials --no-browser --allow-root
+
+# Every tutorial executed in a fresh kernel: build/tutorials/<name>.html, with its outputs (the
+# notebooks on disk keep none). `make tutorials ONLY="00 03"` renders just those.
+tutorials: setup
+	$(PY) tools/render_tutorials.py --out build/tutorials $(if $(ONLY),--only $(ONLY))
 
 lint: setup
 	$(VENV)/bin/ruff format --check .

@@ -1,33 +1,88 @@
-"""The JupyterLab tutorials (tutorials/): one notebook per section of the seed, plus a quickstart.
+"""The JupyterLab tutorials (tutorials/): a quickstart and seven lessons on vLLM V1's request path.
 
-Each notebook is committed without outputs and runs top to bottom on the real engine, asserting
-the figures it measures, so a wrong engine fails here. Every notebook runs in a fresh kernel of
-this interpreter (the venv's `python3` kernelspec), in a temporary working directory.
+Each notebook is committed without outputs, has the parts of a lesson (a question first, a
+prediction, the code that decides the answer, the vLLM source it mirrors, a figure, exercises, a
+summary of what was measured, a pointer to docs/request-path.md), and runs top to bottom on the
+real engine, asserting the figures it measures, so a wrong engine fails here. Every notebook runs
+in a fresh kernel of this interpreter, in a temporary working directory, through the same function
+`make tutorials` uses (tools/render_tutorials.py).
 """
 
 from __future__ import annotations
 
-import time
+import importlib.util
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from nbformat import NotebookNode
 
-TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
+ROOT = Path(__file__).resolve().parents[2]
+TUTORIALS = ROOT / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
-# The quickstart, then one notebook per section of the seed (shared/seed/BRIEF.md).
-SECTIONS = [f"{i:02d}" for i in range(8)]
+LESSONS = [f"{i:02d}" for i in range(8)]  # the quickstart, then seven lessons
 CELL_TIMEOUT_S = 600
+
+
+def _renderer():
+    spec = importlib.util.spec_from_file_location(
+        "render_tutorials", ROOT / "tools" / "render_tutorials.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _ids(path: Path) -> str:
     return path.stem
 
 
-def test_every_seed_section_has_one_notebook() -> None:
+def _cells(notebook: NotebookNode, kind: str | None = None) -> list[str]:
+    return [c.source for c in notebook.cells if kind is None or c.cell_type == kind]
+
+
+def _heading(notebook: NotebookNode, words: str) -> bool:
+    pattern = re.compile(rf"^#+ .*{re.escape(words)}", re.MULTILINE | re.IGNORECASE)
+    return any(pattern.search(s) for s in _cells(notebook, "markdown"))
+
+
+# What every lesson has, each as (what a reader would miss, how to find it).
+LESSON_PARTS: list[tuple[str, Callable[[NotebookNode], bool]]] = [
+    (
+        "a first cell in markdown that asks a question ('?')",
+        lambda nb: nb.cells[0].cell_type == "markdown" and "?" in nb.cells[0].source,
+    ),
+    (
+        "a markdown cell that asks the reader to predict ('Predict')",
+        lambda nb: any("Predict" in s for s in _cells(nb, "markdown")),
+    ),
+    (
+        "a code cell that shows stepscope's code (`inspect.getsource`)",
+        lambda nb: any("inspect.getsource" in s for s in _cells(nb, "code")),
+    ),
+    (
+        "a cell that cites the vLLM source it mirrors (vllm/....py)",
+        lambda nb: any(re.search(r"vllm/[\w/]+\.py", s) for s in _cells(nb)),
+    ),
+    (
+        "a code cell that draws a Bokeh figure (`figure(` and `show(`)",
+        lambda nb: any("figure(" in s and "show(" in s for s in _cells(nb, "code")),
+    ),
+    ("a markdown heading 'Exercises'", lambda nb: _heading(nb, "Exercises")),
+    ("a markdown heading with 'What you measured'", lambda nb: _heading(nb, "What you measured")),
+    (
+        "a pointer to the guide, docs/request-path.md",
+        lambda nb: any("docs/request-path.md" in s for s in _cells(nb)),
+    ),
+]
+
+
+def test_one_notebook_per_lesson_each_in_the_readme() -> None:
     prefixes = [p.name[:2] for p in NOTEBOOKS]
-    assert prefixes == SECTIONS, f"expected one notebook per prefix {SECTIONS}, got {prefixes}"
+    assert prefixes == LESSONS, f"expected one notebook per prefix {LESSONS}, got {prefixes}"
     readme = (TUTORIALS / "README.md").read_text()
     missing = [p.name for p in NOTEBOOKS if p.name not in readme]
     assert not missing, f"tutorials/README.md does not describe {missing}"
@@ -46,10 +101,13 @@ def test_notebook_is_committed_without_outputs(path: Path) -> None:
         f"{path.name}: cells {dirty} hold outputs or execution counts; clear them before "
         "committing (JupyterLab: Edit > Clear Outputs of All Cells, then save)"
     )
-    first = notebook.cells[0]
-    assert first.cell_type == "markdown" and "seed" in first.source.lower(), (
-        f"{path.name} must open with a markdown cell saying which seed section it covers"
-    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_notebook_has_every_part_of_a_lesson(path: Path) -> None:
+    notebook = nbformat.read(path, as_version=4)
+    missing = [part for part, present in LESSON_PARTS if not present(notebook)]
+    assert not missing, f"{path.name} lacks: " + "; ".join(missing)
 
 
 @pytest.mark.slow
@@ -57,12 +115,6 @@ def test_notebook_is_committed_without_outputs(path: Path) -> None:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
 def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        notebook,
-        timeout=CELL_TIMEOUT_S,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    start = time.monotonic()
-    client.execute()  # raises CellExecutionError, with the failing cell and its traceback
-    print(f"{path.name}: {time.monotonic() - start:.1f} s")
+    # Raises CellExecutionError, with the failing cell and its traceback.
+    seconds = _renderer().execute(notebook, tmp_path, CELL_TIMEOUT_S)
+    print(f"{path.name}: {seconds:.1f} s")
