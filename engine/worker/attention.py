@@ -212,11 +212,20 @@ class AttentionBackend(ABC):
 class TorchAttentionBackend(AttentionBackend):
     """Gathers each request's keys through its block table and runs batched SDPA.
 
-    Decodes (one query each) form one group and prefill chunks another, so a long prefill in
-    the step does not pad every decode to its length.
+    Requests are padded into groups of similar shape: decodes (one query each) apart from
+    prefill chunks, and within each, requests of similar context length together, so that a
+    long context does not pad every short one to its length. The model runner sorts the batch
+    by (prefill, context length), so each group is a contiguous run of rows.
     """
 
     name = "torch"
+
+    # A group grows while its longest member is at most this many times its first (shortest)
+    # member's length: padding wastes under half of its work, and a batch of similar requests
+    # still makes one SDPA call.
+    MAX_PAD_RATIO = 2.0
+    # Below this many tokens of padded work in all, splitting costs more calls than it saves.
+    MIN_SPLIT_TOKENS = 4096
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         super().__init__(block_size, device)
@@ -228,18 +237,34 @@ class TorchAttentionBackend(AttentionBackend):
     def _build_groups(
         self, seqs: list[SeqInfo], query_start_loc: torch.Tensor, block_tables: torch.Tensor
     ) -> list[PaddedGroup]:
-        # The model runner puts decodes first, so each group is a contiguous run of rows.
         num_decode = sum(1 for s in seqs if s.query_len == 1)
         if any(s.query_len > 1 for s in seqs[:num_decode]):
             raise ValueError("decode requests must come before prefills in the batch")
-        groups = []
-        if num_decode:
-            groups.append(self._padded_group(0, num_decode, seqs, query_start_loc, block_tables))
-        if num_decode < len(seqs):
-            groups.append(
-                self._padded_group(num_decode, len(seqs), seqs, query_start_loc, block_tables)
-            )
-        return groups
+        return [
+            self._padded_group(first, last, seqs, query_start_loc, block_tables)
+            for kind in ((0, num_decode), (num_decode, len(seqs)))
+            for first, last in self._split(seqs, *kind)
+        ]
+
+    def _split(self, seqs: list[SeqInfo], first: int, last: int) -> list[tuple[int, int]]:
+        """Cut rows [first, last) into runs whose padded query and key lengths stay within
+        MAX_PAD_RATIO of their first row's (the rows come sorted by context length)."""
+        if first == last:
+            return []
+        padded = (last - first) * max(s.query_len * s.seq_len for s in seqs[first:last])
+        if padded < self.MIN_SPLIT_TOKENS:
+            return [(first, last)]
+        runs, start = [], first
+        for i in range(first + 1, last):
+            head, s = seqs[start], seqs[i]
+            if (
+                s.seq_len > self.MAX_PAD_RATIO * head.seq_len
+                or s.query_len > self.MAX_PAD_RATIO * head.query_len
+            ):
+                runs.append((start, i))
+                start = i
+        runs.append((start, last))
+        return runs
 
     def _padded_group(
         self,

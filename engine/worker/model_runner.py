@@ -158,10 +158,16 @@ class ModelRunner:
             return self._sample(batch, hidden)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _Batch | None:
-        """Flatten the scheduled tokens of every request into one batch (decodes first, so that
-        attention treats them as one contiguous, unpadded group)."""
+        """Flatten the scheduled tokens of every request into one batch: decodes first, then
+        prefill chunks, each sorted by context length, so that attention pads requests of
+        similar length together (contiguous rows)."""
         order = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
-        order.sort(key=lambda r: so.num_scheduled_tokens[r] > 1)
+        order.sort(
+            key=lambda r: (
+                so.num_scheduled_tokens[r] > 1,
+                self.requests[r].num_computed_tokens + so.num_scheduled_tokens[r],
+            )
+        )
         if not order:
             return None
         bs = self.block_size
