@@ -233,7 +233,8 @@ def bench_offline(args: argparse.Namespace) -> None:
             continue
         peak = matmul_peak_gflops(DTYPES[dtype])
         print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 {dtype})")
-        tps_ss, mfu = _bench_stepscope(args, workload, flops, peak, dtype)
+        tps_ss = _bench_stepscope(args, workload, flops, peak, dtype)
+        mfu = flops * tps_ss / workload.num_output_tokens / 1e9 / peak
         line = f"{dtype}: stepscope {tps_ss:.1f} output tok/s, MFU {mfu:.0%}"
         if not args.skip_transformers:
             t_hf = run_transformers(model_dir, workload, args.hf_batch_size, dtype)
@@ -253,9 +254,8 @@ def bench_offline(args: argparse.Namespace) -> None:
 
 def _bench_stepscope(
     args: argparse.Namespace, workload: Workload, flops: float, peak: float, dtype: str
-) -> tuple[float, float]:
-    """Every executor x tracing setting in one dtype; returns the best setting's output tok/s
-    and its MFU."""
+) -> float:
+    """Every executor x tracing setting in one dtype; returns the best setting's output tok/s."""
     repeat = args.repeat
     runs = alternating(args.tracing.split(","), repeat)
     seconds: dict[str, list[float]] = {}
@@ -296,5 +296,4 @@ def _bench_stepscope(
         on, off = results.get(f"{executor}, tracing on"), results.get(f"{executor}, tracing off")
         if on and off:
             print(f"ratio tracing on / off ({executor}): {on / off:.3f}x")
-    best = max(results.values())
-    return best, flops / (workload.num_output_tokens / best) / 1e9 / peak
+    return max(results.values())

@@ -17,8 +17,6 @@ import torch.nn.functional as F
 class Linear:
     """`F.linear` over weights as loaded."""
 
-    name = "plain"
-
     def pack(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in]
         return weight
 
@@ -28,8 +26,6 @@ class Linear:
 
 class OneDNNLinear(Linear):
     """bfloat16 on CPU: each weight reordered once into oneDNN's layout at load."""
-
-    name = "onednn-packed"
 
     # The batch-size hint oneDNN picks the packed layout for; every batch size still runs.
     BATCH_HINT = 64

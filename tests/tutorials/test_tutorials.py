@@ -21,12 +21,10 @@ from nbformat import NotebookNode
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = ROOT / "tutorials"
-NOTEBOOKS = sorted(TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
 LESSONS = [f"{i:02d}" for i in range(8)]  # the quickstart, then seven lessons
-CELL_TIMEOUT_S = 600
 
 
-def _renderer():
+def _load_renderer():
     spec = importlib.util.spec_from_file_location(
         "render_tutorials", ROOT / "tools" / "render_tutorials.py"
     )
@@ -34,6 +32,11 @@ def _renderer():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+RENDERER = _load_renderer()
+NOTEBOOKS = RENDERER.notebooks()
+CELL_TIMEOUT_S = RENDERER.CELL_TIMEOUT_S
 
 
 def _ids(path: Path) -> str:
@@ -116,5 +119,5 @@ def test_notebook_has_every_part_of_a_lesson(path: Path) -> None:
 def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
     # Raises CellExecutionError, with the failing cell and its traceback.
-    seconds = _renderer().execute(notebook, tmp_path, CELL_TIMEOUT_S)
+    seconds = RENDERER.execute(notebook, tmp_path, CELL_TIMEOUT_S)
     print(f"{path.name}: {seconds:.1f} s")
