@@ -49,6 +49,10 @@ class EngineConfig:
     # "uni": the worker runs inside the engine core's process; "mp": one process per TP rank.
     executor: str = "uni"
     tensor_parallel_size: int = 1
+    # Data parallelism: this many engine cores, each with its own scheduler, KV pool and TP
+    # workers; `data_parallel_rank` is the one a core process is (0 in the API process).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # Tracing: where every process sends its spans (the collector's URL), and which steps record.
     collector_endpoint: str | None = None
     otlp_endpoint: str | None = None
@@ -98,6 +102,15 @@ class EngineConfig:
             )
         if self.tensor_parallel_size > 1 and self.executor != "mp":
             raise ValueError("tensor_parallel_size > 1 needs executor='mp' (one process per rank)")
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}"
+            )
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                f"got {self.data_parallel_rank}"
+            )
         from stepscope.traces.setup import TraceSampling
 
         TraceSampling(self.trace_steps)  # raises ValueError on a malformed --trace-steps
@@ -107,6 +120,15 @@ class EngineConfig:
             )
         if self.attention_backend is None:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
+    def cpu_threads_per_process(self) -> int:
+        """Torch threads for one compute process on CPU: the cores shared evenly by every
+        process that runs a forward pass (DP ranks x TP workers)."""
+        import os
+
+        processes = self.data_parallel_size * self.tensor_parallel_size
+        return max(1, len(os.sched_getaffinity(0)) // processes)
 
     @property
     def torch_dtype(self) -> torch.dtype:

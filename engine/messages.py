@@ -141,9 +141,18 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class ProcessInfo(msgspec.Struct, array_like=True):
-    role: str  # "api", "engine_core", "worker"
-    rank: int
+    role: str  # "api", "dp_coordinator", "engine_core", "worker"
+    rank: int  # api: server index; engine_core: DP rank; worker: TP rank
     pid: int
+    dp_rank: int = 0  # the data-parallel rank a core or worker serves
+
+
+class RankLoad(msgspec.Struct, array_like=True):
+    """An engine core's queue, as it tells the DP coordinator after a step that changed it."""
+
+    dp_rank: int
+    num_waiting: int
+    num_running: int
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True):
@@ -164,3 +173,4 @@ class CoreProcArgs(msgspec.Struct):
     input_addr: str
     output_addr: str
     parent_pid: int
+    coordinator_addr: str | None = None  # with DP > 1: where to send RankLoad

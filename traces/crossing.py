@@ -93,11 +93,13 @@ def traced_send(
     *,
     step: int | None = None,
     send: Callable[[bytes], object] | None = None,
+    dp_rank: int | None = None,
 ) -> bytes:
     """Encode `message` inside its `stepscope.send` span, carrying the span's context in it.
 
     `send` (optional) hands the bytes on inside the span; the bytes are returned either way.
-    `step` defaults to the message's own (`Boundary.step`).
+    `step` defaults to the message's own (`Boundary.step`); `dp_rank` is the engine core's
+    data-parallel rank when the API process sends to one of several.
     """
     if _setup.state is None:  # tracing off: the message alone
         data = encode(message)
@@ -113,6 +115,7 @@ def traced_send(
         num_requests=num_requests,
         step=step,
         request_ids=request_ids,
+        dp_rank=dp_rank,
     )
     with crossing:
         message.trace_context = carrier
@@ -129,10 +132,11 @@ def traced_receive(
     data: bytes | memoryview,
     *,
     step: int | None = None,
+    dp_rank: int | None = None,
 ) -> M:
     """Decode a message inside its `stepscope.receive` span, a child of the sender's send span.
 
-    `step` defaults to the message's own (`Boundary.step`).
+    `step` defaults to the message's own (`Boundary.step`); `dp_rank` as for `traced_send`.
     """
     if _setup.state is None:
         return decode(data)
@@ -150,5 +154,6 @@ def traced_receive(
         step=step,
         request_ids=request_ids,
         start_ns=start_ns,
+        dp_rank=dp_rank,
     ).end()
     return message

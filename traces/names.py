@@ -17,6 +17,9 @@ SERVICE_WORKER = "stepscope.worker"
 SERVICE_OFFLINE = "stepscope.offline"
 SERVICE_NAME = "service.name"
 RANK = "stepscope.rank"  # resource attribute of workers, and attribute of worker_step spans
+# Resource attribute of engine cores and workers (their data-parallel rank), and attribute of a
+# request span (the rank it was sent to) and of the API side's crossings for it.
+DP_RANK = "stepscope.dp_rank"
 
 # ---- span names ----------------------------------------------------------------------------------
 REQUEST = "stepscope.request"  # API process: root per request

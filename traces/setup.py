@@ -230,6 +230,7 @@ def init_tracing(
     service_name: str,
     *,
     rank: int | None = None,
+    dp_rank: int | None = None,
     collector_endpoint: str | None = None,
     db_path: str | os.PathLike[str] | None = None,
     otlp_endpoint: str | None = None,
@@ -242,9 +243,10 @@ def init_tracing(
     """Build this process's TracerProvider and make the `spans` helpers record.
 
     `service_name` is `stepscope.api`, `stepscope.engine_core` or `stepscope.worker` (with
-    `rank`). Spans go to the collector (`collector_endpoint`, its base URL), into `db_path`
-    directly, to `otlp_endpoint` (any OTLP/HTTP backend) and to extra `exporters`; at least one
-    destination is required. Calling it again replaces (and flushes) the previous provider.
+    `rank`; cores and workers also with their data-parallel `dp_rank`). Spans go to the
+    collector (`collector_endpoint`, its base URL), into `db_path` directly, to `otlp_endpoint`
+    (any OTLP/HTTP backend) and to extra `exporters`; at least one destination is required.
+    Calling it again replaces (and flushes) the previous provider.
     """
     global state
     sampling = trace_steps if isinstance(trace_steps, TraceSampling) else TraceSampling(trace_steps)
@@ -269,6 +271,8 @@ def init_tracing(
     attributes: dict[str, str | int] = {n.SERVICE_NAME: service_name}
     if rank is not None:
         attributes[n.RANK] = rank
+    if dp_rank is not None:
+        attributes[n.DP_RANK] = dp_rank
     # Our own atexit hook flushes, and only in the process that built the provider.
     provider = TracerProvider(
         resource=Resource.create(attributes),
@@ -381,6 +385,7 @@ def init_process_tracing(
     service_name: str,
     *,
     rank: int | None = None,
+    dp_rank: int | None = None,
     collector_endpoint: str | None = None,
     otlp_endpoint: str | None = None,
     db_path: str | os.PathLike[str] | None = None,
@@ -393,6 +398,7 @@ def init_process_tracing(
     init_tracing(
         service_name,
         rank=rank,
+        dp_rank=dp_rank,
         collector_endpoint=collector_endpoint,
         otlp_endpoint=otlp_endpoint,
         db_path=db_path,

@@ -440,6 +440,7 @@ def _crossing_attributes(
     nbytes: int | None,
     num_requests: int,
     request_ids: Sequence[str] | None,
+    dp_rank: int | None = None,
 ) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         n.BOUNDARY: boundary,
@@ -451,6 +452,8 @@ def _crossing_attributes(
         attributes[n.MESSAGE_BODY_SIZE] = nbytes
     if request_ids is not None:
         attributes[n.REQUEST_IDS] = list(request_ids)
+    if dp_rank is not None:
+        attributes[n.DP_RANK] = dp_rank
     return attributes
 
 
@@ -462,12 +465,14 @@ def send_span(
     *,
     step: int | None = None,
     request_ids: Sequence[str] | None = None,
+    dp_rank: int | None = None,
 ) -> tuple[CrossingSpan | _Noop, dict[str, str]]:
     """`stepscope.send` (PRODUCER), started now, and the carrier to put inside the message.
 
     Recorded under a recording span (a step, a request), else when `step` is sampled. Set the
     size with `.set_nbytes()` once the message is encoded. `request_ids` names the requests
-    a message serves when they are not one step's (e.g. EngineCoreOutputs).
+    a message serves when they are not one step's (e.g. EngineCoreOutputs). `dp_rank`: the
+    data-parallel rank on the other side, where the sender is not a rank itself (the API).
     """
     state = _setup.state
     if state is None:
@@ -489,7 +494,9 @@ def send_span(
     span = state.tracer.start_span(
         n.SEND,
         kind=SpanKind.PRODUCER,
-        attributes=_crossing_attributes(boundary, message_type, nbytes, num_requests, request_ids),
+        attributes=_crossing_attributes(
+            boundary, message_type, nbytes, num_requests, request_ids, dp_rank
+        ),
     )
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
     if getattr(current, "name", None) == n.REQUEST:
@@ -508,6 +515,7 @@ def receive_span(
     step: int | None = None,
     request_ids: Sequence[str] | None = None,
     start_ns: int | None = None,
+    dp_rank: int | None = None,
 ) -> CrossingSpan | _Noop:
     """`stepscope.receive` (CONSUMER), a child of the sender's `stepscope.send` via `carrier`.
 
@@ -529,7 +537,9 @@ def receive_span(
         n.RECEIVE,
         context=parent,
         kind=SpanKind.CONSUMER,
-        attributes=_crossing_attributes(boundary, message_type, nbytes, num_requests, request_ids),
+        attributes=_crossing_attributes(
+            boundary, message_type, nbytes, num_requests, request_ids, dp_rank
+        ),
         start_time=start_ns,
     )
     return CrossingSpan(span)

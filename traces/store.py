@@ -107,6 +107,15 @@ def _event_ns(event: str) -> str:
     )
 
 
+def _dp_rank(prefix: str = "") -> str:
+    """The data-parallel rank of a span: its own attribute (API-side spans name the rank they
+    talk to), else its process's (engine cores and workers), else 0 (one rank only)."""
+    return (
+        f"coalesce({_num(n.DP_RANK, 'INTEGER', column=prefix + 'attributes')}, "
+        f"{_num(n.DP_RANK, 'INTEGER', column=prefix + 'resource')}, 0)"
+    )
+
+
 def _array_len(key: str) -> str:
     return f"""coalesce(json_array_length(attributes, '$."{key}"'), 0)"""
 
@@ -140,7 +149,8 @@ SELECT
     {_num(n.GEN_AI_USAGE_OUTPUT_TOKENS)} AS output_tokens,
     {_num(n.NUM_CACHED_TOKENS)} AS cached_tokens,
     {_num(n.NUM_PREEMPTIONS)} AS num_preemptions,
-    json_extract_string(attributes, '$."{n.GEN_AI_RESPONSE_FINISH_REASONS}"[0]') AS finish_reason
+    json_extract_string(attributes, '$."{n.GEN_AI_RESPONSE_FINISH_REASONS}"[0]') AS finish_reason,
+    {_dp_rank()} AS dp_rank
 FROM r
 """,
     "steps": f"""
@@ -160,6 +170,7 @@ SELECT
     {_num(n.PREFIX_HIT_TOKENS)} AS prefix_hit_tokens,
     {_array_len(n.PREEMPTED_IDS)} AS num_preempted,
     {_array_len(n.FINISHED_IDS)} AS num_finished,
+    {_dp_rank()} AS dp_rank,
     trace_id,
     span_id
 FROM spans WHERE name = '{n.ENGINE_STEP}'
@@ -177,14 +188,17 @@ SELECT
     span_id,
     parent_span_id,
     service_name,
-    rank
+    rank,
+    {_dp_rank()} AS dp_rank
 FROM spans WHERE name IN ('{n.SEND}', '{n.RECEIVE}')
 """,
     "step_requests": f"""
-SELECT step, unnest(ids) AS request_id, unnest(num_tokens) AS num_tokens, start_ns, end_ns
+SELECT
+    step, unnest(ids) AS request_id, unnest(num_tokens) AS num_tokens, start_ns, end_ns, dp_rank
 FROM (
     SELECT
         {_num(n.STEP)} AS step,
+        {_dp_rank()} AS dp_rank,
         coalesce({_num(n.REQUEST_IDS, "VARCHAR[]")}, []) AS ids,
         coalesce({_num(n.REQUEST_NUM_TOKENS, "BIGINT[]")}, []) AS num_tokens,
         start_ns,
@@ -196,6 +210,7 @@ FROM (
 SELECT
     {_num(n.STEP, column="w.attributes")} AS step,
     coalesce({_num(n.RANK, "INTEGER", column="w.attributes")}, w.rank) AS rank,
+    {_dp_rank("w.")} AS dp_rank,
     w.start_ns,
     w.end_ns,
     sum(c.duration_ns) FILTER (WHERE c.name = '{n.PREPARE_INPUTS}') / 1e9 AS prepare_s,
@@ -204,7 +219,7 @@ SELECT
 FROM spans w
 LEFT JOIN spans c ON c.parent_span_id = w.span_id AND c.trace_id = w.trace_id
 WHERE w.name = '{n.WORKER_STEP}'
-GROUP BY w.trace_id, w.span_id, w.attributes, w.rank, w.start_ns, w.end_ns
+GROUP BY w.trace_id, w.span_id, w.attributes, w.resource, w.rank, w.start_ns, w.end_ns
 """,
 }
 

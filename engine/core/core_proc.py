@@ -28,6 +28,7 @@ from stepscope.engine.messages import (
     EngineCoreRequest,
     EngineDead,
     OutputKind,
+    RankLoad,
     RequestKind,
     UtilityRequest,
     UtilityResult,
@@ -37,10 +38,21 @@ from stepscope.traces.crossing import traced_receive, traced_send
 from stepscope.traces.process import watch_parent
 from stepscope.traces.setup import dropped_spans, init_process_tracing, shutdown_tracing
 
+_LOAD = b"load"  # output-queue item for the DP coordinator's socket, not the API's
+
 
 class EngineCoreProc:
-    def __init__(self, engine_core: EngineCore, input_addr: str, output_addr: str) -> None:
+    def __init__(
+        self,
+        engine_core: EngineCore,
+        input_addr: str,
+        output_addr: str,
+        coordinator_addr: str | None = None,
+    ) -> None:
         self.core = engine_core
+        self.dp_rank = engine_core.config.data_parallel_rank
+        self._coordinator_addr = coordinator_addr
+        self._last_load: tuple[int, int] | None = None
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[bytes, Any] | None] = queue.Queue()
         self.ctx = zmq.Context()
@@ -83,6 +95,10 @@ class EngineCoreProc:
     def _output_loop(self, addr: str) -> None:
         sock = self.ctx.socket(zmq.PUSH)
         sock.connect(addr)
+        load_sock = None
+        if self._coordinator_addr is not None:
+            load_sock = self.ctx.socket(zmq.PUSH)
+            load_sock.connect(self._coordinator_addr)
         encoder = msgspec.msgpack.Encoder()
 
         def send_outputs(data: bytes) -> None:
@@ -95,9 +111,14 @@ class EngineCoreProc:
             kind, msg = item
             if kind == OutputKind.OUTPUTS:
                 traced_send(crossing.ENGINE_CORE_TO_API, encoder.encode, msg, send=send_outputs)
+            elif kind == _LOAD:
+                if load_sock is not None:
+                    load_sock.send(encoder.encode(msg))
             else:
                 sock.send_multipart([kind, encoder.encode(msg)])
         sock.close(linger=1000)
+        if load_sock is not None:
+            load_sock.close(linger=0)
 
     # ---- the busy loop ------------------------------------------------------------------------
     def run_busy_loop(self) -> None:
@@ -109,9 +130,20 @@ class EngineCoreProc:
                 outputs = self.core.step()
                 if outputs.outputs:
                     self.output_queue.put((OutputKind.OUTPUTS, outputs))
+                self._publish_load()
                 # A step that scheduled nothing cannot change until a message arrives: wait for
                 # one instead of spinning.
                 idle = not self.core.last_step_ran
+
+    def _publish_load(self) -> None:
+        """Tell the DP coordinator this rank's queue when a step changed it."""
+        if self._coordinator_addr is None:
+            return
+        s = self.core.scheduler
+        load = (len(s.waiting), len(s.running))
+        if load != self._last_load:
+            self._last_load = load
+            self.output_queue.put((_LOAD, RankLoad(self.dp_rank, *load)))
 
     def _process_input_queue(self, block: bool) -> None:
         """Handle every queued message; with `block`, wait for the first one."""
@@ -137,6 +169,7 @@ class EngineCoreProc:
                 self.output_queue.put((OutputKind.OUTPUTS, _rejected(request.request_id, str(e))))
         elif kind == RequestKind.ABORT:
             self.core.abort_requests(msg)
+            self._publish_load()
         elif kind == RequestKind.UTILITY:
             self.output_queue.put((OutputKind.UTILITY, self._call_utility(msg)))
         elif kind == RequestKind.SHUTDOWN:
@@ -175,7 +208,12 @@ def _rejected(request_id: str, reason: str) -> EngineCoreOutputs:
 
 
 def run_engine_core(
-    config: EngineConfig, model_dir: Path, input_addr: str, output_addr: str, parent_pid: int
+    config: EngineConfig,
+    model_dir: Path,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int,
+    coordinator_addr: str | None = None,
 ) -> None:
     """Entry point of the engine-core process (started with the spawn method)."""
     # Ctrl-C in the terminal reaches the whole process group; the client decides on shutdown.
@@ -183,8 +221,13 @@ def run_engine_core(
     # SIGTERM unwinds the main thread through the `finally` below, which stops the workers.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     watch_parent(parent_pid)  # SIGTERM: the same unwinding as a clean stop
+    if config.executor == "uni" and config.device == "cpu":
+        import torch
+
+        torch.set_num_threads(config.cpu_threads_per_process)  # DP ranks share the cores
     init_process_tracing(
         names.SERVICE_ENGINE_CORE,
+        dp_rank=config.data_parallel_rank,
         collector_endpoint=config.collector_endpoint,
         otlp_endpoint=config.otlp_endpoint,
         trace_steps=config.trace_steps,
@@ -204,7 +247,7 @@ def run_engine_core(
     ready_sock.send_multipart([OutputKind.READY, encoder.encode(ready)])
     ready_sock.close(linger=2000)
     ctx.term()
-    proc = EngineCoreProc(core, input_addr, output_addr)
+    proc = EngineCoreProc(core, input_addr, output_addr, coordinator_addr)
     try:
         proc.run_busy_loop()
     except Exception as e:
@@ -231,6 +274,7 @@ def main() -> None:
         args.input_addr,
         args.output_addr,
         args.parent_pid,
+        args.coordinator_addr,
     )
 
 

@@ -215,8 +215,11 @@ class EngineCore:
     def processes(self) -> list[ProcessInfo]:
         """This process (the engine core) and the worker processes of a multiprocess executor
         (none when the worker runs in here)."""
-        workers = [ProcessInfo(role, rank, pid) for role, rank, pid in self.executor.processes()]
-        return [ProcessInfo("engine_core", 0, os.getpid()), *workers]
+        dp = self.config.data_parallel_rank
+        workers = [
+            ProcessInfo(role, rank, pid, dp) for role, rank, pid in self.executor.processes()
+        ]
+        return [ProcessInfo("engine_core", dp, os.getpid(), dp), *workers]
 
     def shutdown(self) -> None:
         self.executor.shutdown()

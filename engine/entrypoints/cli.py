@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument(
+        "--dp",
+        "--data-parallel-size",
+        dest="dp",
+        type=int,
+        default=1,
+        help="engine cores, each with its own scheduler, KV pool and TP workers",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--executor", choices=["uni", "mp"], default="mp")

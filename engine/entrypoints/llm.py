@@ -6,6 +6,11 @@ whole request path in this process: an in-process engine-core client with the wo
 engine core, no ZMQ boundary, as vLLM does with VLLM_ENABLE_V1_MULTIPROCESSING=0. `"mp"` runs the
 engine core in its own process over ZMQ (`SyncMPClient`, vLLM's offline default) and one worker
 process per tensor-parallel rank.
+
+`data_parallel_size=N` (N > 1) runs N engine cores, each in its own process with its own
+scheduler and KV pool, and a DP coordinator process; each request goes to the least-loaded rank.
+With `executor="uni"` each rank's worker runs inside its engine core; with `"mp"` each rank has
+its own worker processes.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class LLM:
         seed: int = 0,
         executor: str = "uni",
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         trace_db: str | os.PathLike[str] | None = None,
         otlp_endpoint: str | None = None,
         trace_steps: str = "all",
@@ -88,6 +94,7 @@ class LLM:
             offline=True,
             executor=executor,
             tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
             otlp_endpoint=otlp_endpoint,
             trace_steps=trace_steps,
         )
@@ -97,8 +104,9 @@ class LLM:
         self._collector = None
         self._tracing = self._start_tracing()
         self.tokenizer = load_tokenizer(self.model_dir)
-        # "uni": the engine core runs right here; "mp": in its own process, over ZMQ.
-        if executor == "uni":
+        # "uni": the engine core runs right here; "mp", or several DP ranks: in their own
+        # processes, over ZMQ.
+        if self._in_process:
             self.client: InprocClient | SyncMPClient = InprocClient(self.config, self.model_dir)
         else:
             self.client = SyncMPClient(self.config, self.model_dir)
@@ -110,15 +118,19 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer, self.config.model, server=False)
         self._ids = itertools.count()
 
+    @property
+    def _in_process(self) -> bool:
+        return self.config.executor == "uni" and self.config.data_parallel_size == 1
+
     def _start_tracing(self) -> bool:
-        """In-process, this process writes the trace file itself; with executor="mp" a collector
+        """In-process, this process writes the trace file itself; across processes a collector
         process owns it and every process (this one too) sends it spans."""
         cfg = self.config
         if self.trace_db is None and cfg.otlp_endpoint is None:
             return False
         if self.trace_db is not None:
             self.trace_db.parent.mkdir(parents=True, exist_ok=True)
-        if cfg.executor == "uni":
+        if self._in_process:
             exporters = []
             if self.trace_db is not None:
                 exporter = DuckDBSpanExporter(self.trace_db)
@@ -186,9 +198,11 @@ class LLM:
 
     @property
     def engine_core(self) -> EngineCore:
-        """The in-process engine core (executor="uni" only), for inspection."""
+        """The in-process engine core (executor="uni", one DP rank), for inspection."""
         if not isinstance(self.client, InprocClient):
-            raise AttributeError("the engine core runs in another process with executor='mp'")
+            raise AttributeError(
+                "the engine core runs in another process (executor='mp' or data_parallel_size > 1)"
+            )
         return self.client.core
 
     def reset_prefix_cache(self) -> bool:
@@ -198,7 +212,8 @@ class LLM:
         return self.client.call_utility("get_stats")
 
     def processes(self) -> list[ProcessInfo]:
-        """Every process serving this LLM: role ("api", "engine_core", "worker"), rank, pid."""
+        """Every process serving this LLM: role ("api", "dp_coordinator", "engine_core",
+        "worker"), rank (DP rank of an engine core, TP rank of a worker), pid and DP rank."""
         return self.client.processes()
 
     def shutdown(self) -> None:
@@ -259,7 +274,7 @@ class LLM:
                     )
                     spans[req.request_id] = state.span
                     with state.span.current():
-                        self.client.add_request(req)
+                        state.span.set_attribute(names.DP_RANK, self.client.add_request(req))
             while self.output_processor.has_unfinished_requests():
                 processed = self.output_processor.process_outputs(self.client.get_output().outputs)
                 if processed.reqs_to_abort:

@@ -46,6 +46,7 @@ def serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         executor=args.executor,
         tensor_parallel_size=args.tp,
+        data_parallel_size=args.dp,
         otlp_endpoint=args.otlp_endpoint,
         trace_steps=args.trace_steps,
     )

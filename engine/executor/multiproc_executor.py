@@ -371,7 +371,7 @@ def _build_worker(
         config = dataclasses.replace(config, device=f"cuda:{base + rank}")
     else:
         # Ranks share the cores: without this each would start one thread per core.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+        torch.set_num_threads(config.cpu_threads_per_process)
     all_reduce = None
     if world_size > 1:
         import torch.distributed as dist
@@ -415,6 +415,7 @@ def _worker_main(
         init_process_tracing(
             names.SERVICE_WORKER,
             rank=rank,
+            dp_rank=config.data_parallel_rank,
             collector_endpoint=config.collector_endpoint,
             otlp_endpoint=config.otlp_endpoint,
             trace_steps=config.trace_steps,

@@ -87,7 +87,7 @@ class AsyncLLM:
         self._queues[request_id] = queue
         try:
             with state.span.current():
-                await self.client.add_request(request)
+                state.span.set_attribute(names.DP_RANK, await self.client.add_request(request))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -14,14 +14,14 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "tracing.md"
 VIEW_COLUMNS = {
     "requests": "request_id, trace_id, span_id, model, operation, start_ns, end_ns, queued_ns, "
     "scheduled_ns, first_token_ns, finished_ns, queue_time_s, ttft_s, e2e_s, input_tokens, "
-    "output_tokens, cached_tokens, num_preemptions, finish_reason",
+    "output_tokens, cached_tokens, num_preemptions, finish_reason, dp_rank",
     "steps": "step, start_ns, end_ns, duration_s, num_running, num_waiting, num_decode_tokens, "
     "num_prefill_tokens, token_budget, kv_free_before, kv_free_after, kv_total_blocks, "
-    "prefix_hit_tokens, num_preempted, num_finished, trace_id, span_id",
+    "prefix_hit_tokens, num_preempted, num_finished, dp_rank, trace_id, span_id",
     "crossings": "boundary, side, message_type, bytes, num_requests, start_ns, end_ns, trace_id, "
-    "span_id, parent_span_id, service_name, rank",
-    "step_requests": "step, request_id, num_tokens, start_ns, end_ns",
-    "worker_steps": "step, rank, start_ns, end_ns, prepare_s, forward_s, sample_s",
+    "span_id, parent_span_id, service_name, rank, dp_rank",
+    "step_requests": "step, request_id, num_tokens, start_ns, end_ns, dp_rank",
+    "worker_steps": "step, rank, dp_rank, start_ns, end_ns, prepare_s, forward_s, sample_s",
 }
 
 

@@ -1,0 +1,86 @@
+"""The data-parallel coordinator process (vLLM: `v1/engine/coordinator.py`, `DPCoordinator`).
+
+With more than one DP rank, each engine core sends its queue (`RankLoad`: waiting and running
+counts) here after every step that changed it. The coordinator keeps the latest of each rank and
+publishes the whole list to every API server about every 100 ms while it changes (and once a
+second regardless, so a late subscriber catches up). The API servers route each new request to
+the least-loaded rank by these counts plus their own in-flight requests.
+
+Only counts pass through here, never requests: a request goes from its API server straight to
+the engine core it was routed to.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from stepscope.engine.messages import RankLoad
+from stepscope.traces.process import watch_parent
+
+PUBLISH_INTERVAL_S = 0.1
+HEARTBEAT_S = 1.0
+
+
+class CoordinatorArgs(msgspec.Struct):
+    """What a new coordinator process reads from its stdin at start."""
+
+    data_parallel_size: int
+    stats_addr: str  # engine cores PUSH RankLoad here
+    publish_addr: str  # API servers SUB here: a list of [num_waiting, num_running] per rank
+    parent_pid: int
+
+
+def encode_loads(loads: list[list[int]]) -> bytes:
+    return msgspec.msgpack.encode(loads)
+
+
+def decode_loads(data: bytes) -> list[list[int]]:
+    return msgspec.msgpack.decode(data, type=list[list[int]])
+
+
+def run_coordinator(args: CoordinatorArgs) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides on shutdown
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    watch_parent(args.parent_pid)
+    ctx = zmq.Context()
+    stats = ctx.socket(zmq.PULL)
+    stats.bind(args.stats_addr)
+    publish = ctx.socket(zmq.PUB)
+    publish.bind(args.publish_addr)
+    decoder = msgspec.msgpack.Decoder(RankLoad)
+    loads = [[0, 0] for _ in range(args.data_parallel_size)]
+    changed = True
+    last_publish = 0.0
+    try:
+        while True:
+            wait_s = max(0.0, last_publish + PUBLISH_INTERVAL_S - time.monotonic())
+            if stats.poll(int(wait_s * 1000) + 1):
+                while True:  # drain: only the latest load of each rank matters
+                    try:
+                        load = decoder.decode(stats.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if 0 <= load.dp_rank < len(loads):
+                        new = [load.num_waiting, load.num_running]
+                        changed |= loads[load.dp_rank] != new
+                        loads[load.dp_rank] = new
+            now = time.monotonic()
+            due = now - last_publish >= (PUBLISH_INTERVAL_S if changed else HEARTBEAT_S)
+            if due:
+                publish.send(encode_loads(loads))
+                last_publish, changed = now, False
+    finally:
+        ctx.destroy(linger=0)
+
+
+def main() -> None:
+    run_coordinator(msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoordinatorArgs))
+
+
+if __name__ == "__main__":
+    main()
