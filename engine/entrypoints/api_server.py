@@ -156,6 +156,18 @@ def build_app(
     async def version() -> dict:
         return {"version": VERSION}
 
+    @app.get("/processes")
+    async def processes(request: Request) -> dict:
+        """Every process serving this server: role, rank, pid and DP rank (stepscope's own)."""
+        engine = request.app.state.s.engine
+        return {
+            "object": "list",
+            "data": [
+                {"role": p.role, "rank": p.rank, "pid": p.pid, "dp_rank": p.dp_rank}
+                for p in engine.processes()
+            ],
+        }
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         s: ServerState = request.app.state.s
