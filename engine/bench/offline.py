@@ -14,6 +14,7 @@ import argparse
 import os
 import platform
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -100,7 +101,9 @@ def run_stepscope(
     executor: str = "uni",
     trace_db: str | None = None,
     dtype: str = "float32",
-) -> float:
+    data_parallel_size: int = 1,
+) -> tuple[float, list[float]]:
+    """Seconds to generate the workload, and each request's TTFT (first token - arrival)."""
     from stepscope.engine.entrypoints.llm import LLM
     from stepscope.engine.sampling_params import SamplingParams
 
@@ -111,6 +114,7 @@ def run_stepscope(
         executor=executor,
         trace_db=trace_db,
         dtype=dtype,
+        data_parallel_size=data_parallel_size,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
@@ -123,20 +127,27 @@ def run_stepscope(
     elapsed = time.perf_counter() - start
     got = sum(len(o.outputs[0].token_ids) for o in outs)
     assert got == workload.num_output_tokens, (got, workload.num_output_tokens)
+    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
     cfg = llm.config
     stats = llm.get_stats()
+    ranks = f"{data_parallel_size} DP ranks x " if data_parallel_size > 1 else ""
     print(
-        f"  stepscope ({executor}): budget {cfg.max_num_batched_tokens} tokens/step, "
+        f"  stepscope ({executor}): {ranks}budget {cfg.max_num_batched_tokens} tokens/step, "
         f"max_num_seqs {cfg.max_num_seqs}, {stats['num_kv_blocks']} KV blocks, "
         f"{stats['num_steps']} steps, {stats['num_preemptions']} preemptions"
     )
+    if data_parallel_size > 1:
+        served = [r["num_steps"] for r in stats["ranks"]]
+        print(
+            f"  steps per DP rank: {served}; torch threads per rank {cfg.cpu_threads_per_process}"
+        )
     if "crossing_median_s" in stats:
         print(
             "  median core -> worker -> core crossing per step: "
             f"{stats['crossing_median_s'] * 1e6:.0f} us"
         )
     llm.shutdown()
-    return elapsed
+    return elapsed, ttfts
 
 
 def run_transformers(
@@ -193,6 +204,7 @@ def bench_offline(args: argparse.Namespace) -> None:
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         raise SystemExit(f"--dtype: unknown {unknown}; choose from {sorted(DTYPES)}")
+    _dp_sizes(args.dp)  # a bad --dp fails before anything runs
     model_dir = resolve_model(args.model)
     cfg = load_config(model_dir)
     workload = make_workload(
@@ -255,26 +267,34 @@ def bench_offline(args: argparse.Namespace) -> None:
 def _bench_stepscope(
     args: argparse.Namespace, workload: Workload, flops: float, peak: float, dtype: str
 ) -> float:
-    """Every executor x tracing setting in one dtype; returns the best setting's output tok/s."""
+    """Every executor x DP size x tracing setting in one dtype; returns the best setting's output
+    tok/s."""
     repeat = args.repeat
     runs = alternating(args.tracing.split(","), repeat)
+    dps = _dp_sizes(args.dp)
     seconds: dict[str, list[float]] = {}
+    ttfts: dict[str, list[float]] = {}
     for executor in args.executor.split(","):
-        for rep, tracing in runs:
-            trace_db = None
-            if tracing == "on":
-                folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-"))
-                trace_db = str(folder / "trace.duckdb")
-            label = executor if args.tracing == "off" else f"{executor}, tracing {tracing}"
-            elapsed = run_stepscope(args.model, workload, args, executor, trace_db, dtype)
-            seconds.setdefault(label, []).append(elapsed)
-            mfu = flops / elapsed / 1e9 / peak
-            run = f" run {rep + 1}" if repeat > 1 else ""
-            print(
-                f"stepscope ({label}, {dtype}){run}: {elapsed:8.1f} s  "
-                f"{workload.num_output_tokens / elapsed:7.1f} output tok/s  MFU {mfu:.0%}",
-                flush=True,
-            )
+        for dp in dps:
+            for rep, tracing in runs:
+                trace_db = None
+                if tracing == "on":
+                    folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-"))
+                    trace_db = str(folder / "trace.duckdb")
+                label = _label(executor, dp, len(dps) > 1, args.tracing, tracing)
+                elapsed, ttft = run_stepscope(
+                    args.model, workload, args, executor, trace_db, dtype, dp
+                )
+                seconds.setdefault(label, []).append(elapsed)
+                ttfts.setdefault(label, []).extend(ttft)
+                mfu = flops / elapsed / 1e9 / peak
+                run = f" run {rep + 1}" if repeat > 1 else ""
+                print(
+                    f"stepscope ({label}, {dtype}){run}: {elapsed:8.1f} s  "
+                    f"{workload.num_output_tokens / elapsed:7.1f} output tok/s  MFU {mfu:.0%}  "
+                    f"TTFT p50 {statistics.median(ttft):.2f} s",
+                    flush=True,
+                )
     # Throughput of a setting over all its runs: every token it generated over all its time.
     results = {
         label: workload.num_output_tokens * len(times) / sum(times)
@@ -288,12 +308,61 @@ def _bench_stepscope(
                 f"(runs {min(spread):.1f}-{max(spread):.1f})"
             )
     for tracing in args.tracing.split(","):
-        suffix = "" if args.tracing == "off" else f", tracing {tracing}"
-        uni, mp = results.get(f"uni{suffix}"), results.get(f"mp{suffix}")
-        if uni and mp:
-            print(f"ratio mp / uni{suffix}: {mp / uni:.3f}x")
+        for dp in dps:
+            uni = results.get(_label("uni", dp, len(dps) > 1, args.tracing, tracing))
+            mp = results.get(_label("mp", dp, len(dps) > 1, args.tracing, tracing))
+            if uni and mp:
+                print(f"ratio mp / uni ({_label('', dp, len(dps) > 1, args.tracing, tracing)}): "
+                      f"{mp / uni:.3f}x")  # fmt: skip
     for executor in args.executor.split(","):
-        on, off = results.get(f"{executor}, tracing on"), results.get(f"{executor}, tracing off")
-        if on and off:
-            print(f"ratio tracing on / off ({executor}): {on / off:.3f}x")
+        for dp in dps:
+            on = results.get(_label(executor, dp, len(dps) > 1, "on", "on"))
+            off = results.get(_label(executor, dp, len(dps) > 1, "on", "off"))
+            if on and off:
+                print(f"ratio tracing on / off ({_label(executor, dp, len(dps) > 1)}): "
+                      f"{on / off:.3f}x")  # fmt: skip
+    if len(dps) > 1:
+        _print_dp_comparison(args, dps, results, ttfts)
     return max(results.values())
+
+
+def _dp_sizes(spec: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"--dp: a comma-separated list of sizes, e.g. 1,2; got {spec!r}") from None
+    if any(n < 1 for n in sizes):
+        raise SystemExit(f"--dp: sizes must be at least 1, got {spec!r}")
+    return sizes
+
+
+def _label(
+    executor: str, dp: int, several_dp: bool, tracing_spec: str = "off", tracing: str = "off"
+) -> str:
+    parts = [executor] if executor else []
+    if several_dp:
+        parts.append(f"dp {dp}")
+    if tracing_spec != "off":
+        parts.append(f"tracing {tracing}")
+    return ", ".join(parts)
+
+
+def _print_dp_comparison(
+    args: argparse.Namespace,
+    dps: list[int],
+    results: dict[str, float],
+    ttfts: dict[str, list[float]],
+) -> None:
+    """Throughput and TTFT per DP size, side by side, against the first size given."""
+    print("--- data parallelism (each rank: cores / (DP x TP) torch threads)")
+    for executor in args.executor.split(","):
+        for tracing in args.tracing.split(","):
+            base = _label(executor, dps[0], True, args.tracing, tracing)
+            for dp in dps:
+                label = _label(executor, dp, True, args.tracing, tracing)
+                t = sorted(ttfts[label])
+                print(
+                    f"{label}: {results[label]:7.1f} output tok/s "
+                    f"({results[label] / results[base]:.2f}x dp {dps[0]}), TTFT p50 "
+                    f"{statistics.median(t):.2f} s, p90 {t[int(0.9 * (len(t) - 1))]:.2f} s"
+                )

@@ -426,7 +426,7 @@ def bench_serve(args: argparse.Namespace) -> None:
     from stepscope.engine.bench.offline import run_stepscope
 
     print(f"{' Offline engine, same workload ':=^50}")
-    elapsed = run_stepscope(model, workload, args)
+    elapsed, _ = run_stepscope(model, workload, args)
     offline = workload.num_output_tokens / elapsed
     print(f"{'Offline duration (s):':<40} {elapsed:<10.2f}")
     print(f"{'Offline output token throughput (tok/s):':<40} {offline:<10.2f}")

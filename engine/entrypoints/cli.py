@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="float32, bfloat16, or 'float32,bfloat16': the whole comparison once per dtype",
     )
     p.add_argument(
+        "--dp",
+        default="1",
+        help="data-parallel sizes, e.g. '1,2': stepscope once per size side by side, with "
+        "throughput and TTFT (each rank gets cores / DP torch threads)",
+    )
+    p.add_argument(
         "--force-dtype",
         action="store_true",
         help="run a dtype even where its matmul is emulated on this CPU (slow)",

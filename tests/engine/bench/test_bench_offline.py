@@ -53,3 +53,25 @@ def test_unknown_dtype_is_refused_before_any_run() -> None:
     args = build_parser().parse_args(["bench", "offline", *SMALL, "--dtype", "float8"])
     with pytest.raises(SystemExit, match="unknown"):
         offline.bench_offline(args)
+
+
+def test_dp_sizes_run_side_by_side_with_throughput_and_ttft() -> None:
+    out = subprocess.run(
+        [*CLI, "bench", "offline", *SMALL, "--dp", "1,2", "--skip-transformers"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    ).stdout
+    for dp in (1, 2):
+        assert re.search(rf"stepscope \(uni, dp {dp}, float32\):.* TTFT p50 [\d.]+ s", out), out
+    section = out.split("--- data parallelism")[1]
+    assert re.search(r"uni, dp 2: +[\d.]+ output tok/s \([\d.]+x dp 1\), TTFT p50", section)
+    assert re.search(r"steps per DP rank: \[\d+, \d+\]; torch threads per rank \d+", out), out
+
+
+@pytest.mark.parametrize("spec", ["0", "1,two"])
+def test_bad_dp_sizes_are_refused_before_any_run(spec: str) -> None:
+    args = build_parser().parse_args(["bench", "offline", *SMALL, "--dp", spec])
+    with pytest.raises(SystemExit, match="--dp"):
+        offline.bench_offline(args)
