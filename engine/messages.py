@@ -28,6 +28,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_id: int | None
     arrival_time: float
     trace_context: dict[str, str] = {}  # W3C context of the sender's span (see traces/)
+    client_index: int = 0  # which API server sent it: its outputs go back there
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -130,8 +131,9 @@ class OutputKind:
 
 class UtilityRequest(msgspec.Struct, array_like=True):
     call_id: int
-    method: str  # "get_stats", "reset_prefix_cache", "processes"
+    method: str  # "get_stats", "reset_prefix_cache", "flush_traces"
     args: list = []
+    client_index: int = 0  # the API server to answer
 
 
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -156,9 +158,20 @@ class RankLoad(msgspec.Struct, array_like=True):
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True):
+    """An engine core's handshake, once its model and KV pool are ready."""
+
     num_kv_blocks: int
     max_model_len: int
     processes: list[ProcessInfo]
+    dp_rank: int = 0
+    input_addr: str = ""  # where the core listens for requests (every API server connects)
+
+
+class CoreAddresses(msgspec.Struct, array_like=True):
+    """The launcher's answer to a ready engine core: where to send what."""
+
+    output_addrs: list[str]  # one per API server, by client index
+    coordinator_addr: str | None = None  # with DP > 1: where to send RankLoad
 
 
 class EngineDead(msgspec.Struct, array_like=True):
@@ -170,7 +183,6 @@ class CoreProcArgs(msgspec.Struct):
 
     config: dict[str, Any]  # EngineConfig fields
     model_dir: str
-    input_addr: str
-    output_addr: str
+    handshake_addr: str  # the launcher's ROUTER: READY or DEAD goes there, CoreAddresses back
+    input_bind: str  # where to listen: an ipc path, or "tcp://HOST:*" for any free port
     parent_pid: int
-    coordinator_addr: str | None = None  # with DP > 1: where to send RankLoad

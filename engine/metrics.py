@@ -43,8 +43,14 @@ class Histogram:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    """Prometheus text for /metrics. With several API servers (`api_server` given), every series
+    says which one answered: counters and latencies are that process's own; the engine gauges
+    are the whole engine's, and with DP > 1 one series per rank (`engine="R"`)."""
+
+    def __init__(self, model_name: str, api_server: int | None = None) -> None:
         self.labels = f'model_name="{model_name}"'
+        if api_server is not None:
+            self.labels += f',api_server="{api_server}"'
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.requests_finished: dict[str, int] = {}
@@ -84,22 +90,27 @@ class ServerMetrics:
         lb = self.labels
         lines: list[str] = []
 
+        ranks = stats.get("ranks")  # with DP > 1, each rank's own stats
+
         def metric(name: str, kind: str, help_: str, value: float, extra: str = "") -> None:
             lines.append(f"# HELP {name} {help_}")
             lines.append(f"# TYPE {name} {kind}")
             lines.append(f"{name}{{{lb}{extra}}} {value}")
 
-        metric(
-            "stepscope:num_requests_running",
-            "gauge",
-            "Requests in the running batch.",
-            stats["num_running"],
+        def engine_gauge(name: str, help_: str, key: str) -> None:
+            if not ranks:
+                metric(name, "gauge", help_, stats[key])
+                return
+            lines.append(f"# HELP {name} {help_} (per DP rank)")
+            lines.append(f"# TYPE {name} gauge")
+            for rank, rank_stats in enumerate(ranks):
+                lines.append(f'{name}{{{lb},engine="{rank}"}} {rank_stats[key]}')
+
+        engine_gauge(
+            "stepscope:num_requests_running", "Requests in the running batch.", "num_running"
         )
-        metric(
-            "stepscope:num_requests_waiting",
-            "gauge",
-            "Requests waiting to be scheduled.",
-            stats["num_waiting"],
+        engine_gauge(
+            "stepscope:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"
         )
         metric(
             "stepscope:num_requests_in_flight",
@@ -107,11 +118,8 @@ class ServerMetrics:
             "Requests held by the API server.",
             num_in_flight,
         )
-        metric(
-            "stepscope:kv_cache_usage_perc",
-            "gauge",
-            "Fraction of KV blocks in use (0-1).",
-            stats["kv_cache_usage"],
+        engine_gauge(
+            "stepscope:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", "kv_cache_usage"
         )
         metric(
             "stepscope:prefix_cache_queries_total",

@@ -4,6 +4,13 @@ Two IO threads bridge the ZMQ sockets and two queues, so the loop never touches 
 the input thread decodes requests (ADD, ABORT, UTILITY) onto the input queue, the output thread
 encodes EngineCoreOutputs off the output queue. Each turn the loop drains the input queue, then
 runs one step if any request is unfinished; with nothing to do it blocks on the input queue.
+
+Start-up is a handshake with whoever launched the core (vLLM: `EngineCoreProc.startup_handshake`):
+the core builds its model and KV pool, listens for requests (an ipc path, or a TCP port when
+the API servers are on another machine), and tells the launcher READY with that address; the
+launcher answers with `CoreAddresses`: one output address per API server, and the DP
+coordinator's. Every API server connects to the core's input; each request names its API
+server (`client_index`), and its outputs go back to that one only.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import zmq
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.core.engine_core import EngineCore
 from stepscope.engine.messages import (
+    CoreAddresses,
     CoreProcArgs,
     EngineCoreOutputs,
     EngineCoreReady,
@@ -38,38 +46,46 @@ from stepscope.traces.crossing import traced_receive, traced_send
 from stepscope.traces.process import watch_parent
 from stepscope.traces.setup import dropped_spans, init_process_tracing, shutdown_tracing
 
-_LOAD = b"load"  # output-queue item for the DP coordinator's socket, not the API's
+_LOAD = b"load"  # output-queue item for the DP coordinator's socket, not an API server's
+# With a coordinator, the load goes out at least this often, even from a long step: it is also
+# the heartbeat by which the coordinator notices a rank on another machine is gone.
+LOAD_HEARTBEAT_S = 0.5
+HANDSHAKE_TIMEOUT_S = 60.0
 
 
 class EngineCoreProc:
     def __init__(
         self,
         engine_core: EngineCore,
-        input_addr: str,
-        output_addr: str,
-        coordinator_addr: str | None = None,
+        input_sock: zmq.Socket,
+        ctx: zmq.Context,
+        addresses: CoreAddresses,
     ) -> None:
         self.core = engine_core
         self.dp_rank = engine_core.config.data_parallel_rank
-        self._coordinator_addr = coordinator_addr
-        self._last_load: tuple[int, int] | None = None
+        self._rank_frame = str(self.dp_rank).encode()
+        self._coordinator_addr = addresses.coordinator_addr
+        self._last_load = RankLoad(self.dp_rank, 0, 0)
+        self._num_clients = len(addresses.output_addrs)
+        self._client_of: dict[str, int] = {}  # request id -> API server, while it runs
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
-        self.output_queue: queue.Queue[tuple[bytes, Any] | None] = queue.Queue()
-        self.ctx = zmq.Context()
+        self.output_queue: queue.Queue[tuple[bytes, int, Any] | None] = queue.Queue()
+        self.ctx = ctx
         self.running = True
         self._input_thread = threading.Thread(
-            target=self._input_loop, args=(input_addr,), name="core-input", daemon=True
+            target=self._input_loop, args=(input_sock,), name="core-input", daemon=True
         )
         self._output_thread = threading.Thread(
-            target=self._output_loop, args=(output_addr,), name="core-output", daemon=True
+            target=self._output_loop,
+            args=(addresses.output_addrs,),
+            name="core-output",
+            daemon=True,
         )
         self._output_thread.start()
         self._input_thread.start()
 
     # ---- IO threads ---------------------------------------------------------------------------
-    def _input_loop(self, addr: str) -> None:
-        sock = self.ctx.socket(zmq.PULL)
-        sock.connect(addr)
+    def _input_loop(self, sock: zmq.Socket) -> None:
         add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         utility_decoder = msgspec.msgpack.Decoder(UtilityRequest)
         abort_decoder = msgspec.msgpack.Decoder(list[str])
@@ -92,31 +108,48 @@ class EngineCoreProc:
                 self.input_queue.put((kind, None))
         sock.close(linger=0)
 
-    def _output_loop(self, addr: str) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.connect(addr)
+    def _output_loop(self, output_addrs: list[str]) -> None:
+        socks = []
+        for addr in output_addrs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            socks.append(sock)
         load_sock = None
         if self._coordinator_addr is not None:
             load_sock = self.ctx.socket(zmq.PUSH)
             load_sock.connect(self._coordinator_addr)
         encoder = msgspec.msgpack.Encoder()
-
-        def send_outputs(data: bytes) -> None:
-            sock.send_multipart([OutputKind.OUTPUTS, data])
-
+        rank = self._rank_frame
         while True:
-            item = self.output_queue.get()
+            try:
+                item = self.output_queue.get(timeout=LOAD_HEARTBEAT_S)
+            except queue.Empty:
+                if load_sock is not None:
+                    load_sock.send(encoder.encode(self._last_load))
+                continue
             if item is None:
                 break
-            kind, msg = item
+            kind, client, msg = item
             if kind == OutputKind.OUTPUTS:
-                traced_send(crossing.ENGINE_CORE_TO_API, encoder.encode, msg, send=send_outputs)
+                sock = socks[client]
+                traced_send(
+                    crossing.ENGINE_CORE_TO_API,
+                    encoder.encode,
+                    msg,
+                    send=lambda data, sock=sock: sock.send_multipart(
+                        [OutputKind.OUTPUTS, rank, data]
+                    ),
+                )
             elif kind == _LOAD:
                 if load_sock is not None:
                     load_sock.send(encoder.encode(msg))
+            elif kind == OutputKind.DEAD:  # every API server must hear it
+                for sock in socks:
+                    sock.send_multipart([kind, rank, encoder.encode(msg)])
             else:
-                sock.send_multipart([kind, encoder.encode(msg)])
-        sock.close(linger=1000)
+                socks[client].send_multipart([kind, rank, encoder.encode(msg)])
+        for sock in socks:
+            sock.close(linger=1000)
         if load_sock is not None:
             load_sock.close(linger=0)
 
@@ -129,21 +162,38 @@ class EngineCoreProc:
             if self.running and self.core.has_unfinished_requests():
                 outputs = self.core.step()
                 if outputs.outputs:
-                    self.output_queue.put((OutputKind.OUTPUTS, outputs))
+                    self._send_outputs(outputs)
                 self._publish_load()
                 # A step that scheduled nothing cannot change until a message arrives: wait for
                 # one instead of spinning.
                 idle = not self.core.last_step_ran
+
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """Each API server gets its own requests' outputs."""
+        if self._num_clients == 1:
+            self.output_queue.put((OutputKind.OUTPUTS, 0, outputs))
+            return
+        split: dict[int, list] = {}
+        for out in outputs.outputs:
+            if out.finish_reason is None:
+                client = self._client_of.get(out.request_id, 0)
+            else:
+                client = self._client_of.pop(out.request_id, 0)
+            split.setdefault(client, []).append(out)
+        for client, outs in split.items():
+            self.output_queue.put(
+                (OutputKind.OUTPUTS, client, EngineCoreOutputs(outs, outputs.timestamp))
+            )
 
     def _publish_load(self) -> None:
         """Tell the DP coordinator this rank's queue when a step changed it."""
         if self._coordinator_addr is None:
             return
         s = self.core.scheduler
-        load = (len(s.waiting), len(s.running))
+        load = RankLoad(self.dp_rank, len(s.waiting), len(s.running))
         if load != self._last_load:
             self._last_load = load
-            self.output_queue.put((_LOAD, RankLoad(self.dp_rank, *load)))
+            self.output_queue.put((_LOAD, 0, load))
 
     def _process_input_queue(self, block: bool) -> None:
         """Handle every queued message; with `block`, wait for the first one."""
@@ -164,14 +214,21 @@ class EngineCoreProc:
             request, received = msg
             try:
                 self.core.add_request(request, queued_time=received)
-            except ValueError as e:
+            except ValueError:
                 # Validated in the API process already; a duplicate id still must not kill us.
-                self.output_queue.put((OutputKind.OUTPUTS, _rejected(request.request_id, str(e))))
+                self.output_queue.put(
+                    (OutputKind.OUTPUTS, request.client_index, _rejected(request.request_id))
+                )
+            else:
+                if self._num_clients > 1:
+                    self._client_of[request.request_id] = request.client_index
         elif kind == RequestKind.ABORT:
             self.core.abort_requests(msg)
+            for rid in msg:
+                self._client_of.pop(rid, None)
             self._publish_load()
         elif kind == RequestKind.UTILITY:
-            self.output_queue.put((OutputKind.UTILITY, self._call_utility(msg)))
+            self.output_queue.put((OutputKind.UTILITY, msg.client_index, self._call_utility(msg)))
         elif kind == RequestKind.SHUTDOWN:
             self.running = False
 
@@ -198,7 +255,7 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def _rejected(request_id: str, reason: str) -> EngineCoreOutputs:
+def _rejected(request_id: str) -> EngineCoreOutputs:
     from stepscope.engine.messages import EngineCoreOutput
 
     return EngineCoreOutputs(
@@ -207,16 +264,41 @@ def _rejected(request_id: str, reason: str) -> EngineCoreOutputs:
     )
 
 
+def bind_input(ctx: zmq.Context, bind: str) -> tuple[zmq.Socket, str]:
+    """The core's request socket, and the address API servers connect to ("tcp://HOST:*" takes
+    any free port)."""
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(bind)
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def handshake(
+    ctx: zmq.Context, handshake_addr: str, dp_rank: int, ready: EngineCoreReady | EngineDead
+) -> CoreAddresses | None:
+    """Tell the launcher READY (or DEAD); wait for its CoreAddresses (None after DEAD)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(handshake_addr)
+    rank = str(dp_rank).encode()
+    try:
+        if isinstance(ready, EngineDead):
+            sock.send_multipart([OutputKind.DEAD, rank, msgspec.msgpack.encode(ready)])
+            return None
+        sock.send_multipart([OutputKind.READY, rank, msgspec.msgpack.encode(ready)])
+        if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
+            raise TimeoutError(
+                f"the launcher at {handshake_addr} did not answer the engine core's handshake "
+                f"within {HANDSHAKE_TIMEOUT_S:.0f} s"
+            )
+        return msgspec.msgpack.decode(sock.recv(), type=CoreAddresses)
+    finally:
+        sock.close(linger=2000)
+
+
 def run_engine_core(
-    config: EngineConfig,
-    model_dir: Path,
-    input_addr: str,
-    output_addr: str,
-    parent_pid: int,
-    coordinator_addr: str | None = None,
+    config: EngineConfig, model_dir: Path, handshake_addr: str, input_bind: str, parent_pid: int
 ) -> None:
-    """Entry point of the engine-core process (started with the spawn method)."""
-    # Ctrl-C in the terminal reaches the whole process group; the client decides on shutdown.
+    """Entry point of the engine-core process."""
+    # Ctrl-C in the terminal reaches the whole process group; the launcher decides on shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM unwinds the main thread through the `finally` below, which stops the workers.
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -233,27 +315,29 @@ def run_engine_core(
         trace_steps=config.trace_steps,
     )
     ctx = zmq.Context()
-    ready_sock = ctx.socket(zmq.PUSH)
-    ready_sock.connect(output_addr)
-    encoder = msgspec.msgpack.Encoder()
     try:
         core = EngineCore(config, model_dir)
     except BaseException as e:
-        reason = f"engine core failed to start: {type(e).__name__}: {e}"
-        ready_sock.send_multipart([OutputKind.DEAD, encoder.encode(EngineDead(reason))])
-        ready_sock.close(linger=2000)
+        reason = f"failed to start: {type(e).__name__}: {e}"
+        handshake(ctx, handshake_addr, config.data_parallel_rank, EngineDead(reason))
         raise
-    ready = EngineCoreReady(core.num_kv_blocks, core.max_model_len, core.processes())
-    ready_sock.send_multipart([OutputKind.READY, encoder.encode(ready)])
-    ready_sock.close(linger=2000)
-    ctx.term()
-    proc = EngineCoreProc(core, input_addr, output_addr, coordinator_addr)
+    input_sock, input_addr = bind_input(ctx, input_bind)
+    ready = EngineCoreReady(
+        core.num_kv_blocks,
+        core.max_model_len,
+        core.processes(),
+        config.data_parallel_rank,
+        input_addr,
+    )
+    addresses = handshake(ctx, handshake_addr, config.data_parallel_rank, ready)
+    assert addresses is not None
+    proc = EngineCoreProc(core, input_sock, ctx, addresses)
     try:
         proc.run_busy_loop()
     except Exception as e:
-        reason = f"engine core died: {type(e).__name__}: {e}"
+        reason = f"died: {type(e).__name__}: {e}"
         traceback.print_exc()
-        proc.output_queue.put((OutputKind.DEAD, EngineDead(reason)))
+        proc.output_queue.put((OutputKind.DEAD, 0, EngineDead(reason)))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         proc.shutdown()
@@ -271,10 +355,9 @@ def main() -> None:
     run_engine_core(
         EngineConfig(**args.config),
         Path(args.model_dir),
-        args.input_addr,
-        args.output_addr,
+        args.handshake_addr,
+        args.input_bind,
         args.parent_pid,
-        args.coordinator_addr,
     )
 
 

@@ -1,10 +1,13 @@
 """The data-parallel coordinator process (vLLM: `v1/engine/coordinator.py`, `DPCoordinator`).
 
 With more than one DP rank, each engine core sends its queue (`RankLoad`: waiting and running
-counts) here after every step that changed it. The coordinator keeps the latest of each rank and
-publishes the whole list to every API server about every 100 ms while it changes (and once a
-second regardless, so a late subscriber catches up). The API servers route each new request to
-the least-loaded rank by these counts plus their own in-flight requests.
+counts) here after every step that changed it, and at least every half second as a heartbeat.
+The coordinator keeps the latest of each rank and publishes the whole list to every API server
+about every 100 ms while it changes (and once a second regardless, so a late subscriber catches
+up). The API servers route each new request to the least-loaded rank by these counts plus their
+own in-flight requests. A rank that has reported once and then stays silent for RANK_TIMEOUT_S
+is published as lost: that is how an API server learns that an engine core on another machine
+is gone (those on its own machine it watches by pid).
 
 Only counts pass through here, never requests: a request goes from its API server straight to
 the engine core it was routed to.
@@ -24,6 +27,7 @@ from stepscope.traces.process import watch_parent
 
 PUBLISH_INTERVAL_S = 0.1
 HEARTBEAT_S = 1.0
+RANK_TIMEOUT_S = 3.0
 
 
 class CoordinatorArgs(msgspec.Struct):
@@ -31,7 +35,7 @@ class CoordinatorArgs(msgspec.Struct):
 
     data_parallel_size: int
     stats_addr: str  # engine cores PUSH RankLoad here
-    publish_addr: str  # API servers SUB here: a list of [num_waiting, num_running] per rank
+    publish_addr: str  # API servers SUB here: [num_waiting, num_running, lost] per rank
     parent_pid: int
 
 
@@ -53,7 +57,8 @@ def run_coordinator(args: CoordinatorArgs) -> None:
     publish = ctx.socket(zmq.PUB)
     publish.bind(args.publish_addr)
     decoder = msgspec.msgpack.Decoder(RankLoad)
-    loads = [[0, 0] for _ in range(args.data_parallel_size)]
+    loads = [[0, 0, 0] for _ in range(args.data_parallel_size)]
+    seen: list[float | None] = [None] * args.data_parallel_size
     changed = True
     last_publish = 0.0
     try:
@@ -66,10 +71,15 @@ def run_coordinator(args: CoordinatorArgs) -> None:
                     except zmq.Again:
                         break
                     if 0 <= load.dp_rank < len(loads):
-                        new = [load.num_waiting, load.num_running]
+                        new = [load.num_waiting, load.num_running, 0]
                         changed |= loads[load.dp_rank] != new
                         loads[load.dp_rank] = new
+                        seen[load.dp_rank] = time.monotonic()
             now = time.monotonic()
+            for rank, at in enumerate(seen):
+                if at is not None and now - at > RANK_TIMEOUT_S and not loads[rank][2]:
+                    loads[rank][2] = 1
+                    changed = True
             due = now - last_publish >= (PUBLISH_INTERVAL_S if changed else HEARTBEAT_S)
             if due:
                 publish.send(encode_loads(loads))

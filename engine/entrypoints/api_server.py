@@ -81,16 +81,21 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     max_queued_requests: int = 256,
+    api_server: int | None = None,
+    process_list=None,
 ) -> FastAPI:
-    """`engine_factory()` builds the AsyncLLM when the server starts (its processes with it)."""
+    """`engine_factory()` builds the AsyncLLM when the server starts (its processes with it).
+    With several API servers, `api_server` is this one's index and `process_list()` lists every
+    process of the deployment (default: the engine's own list)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = engine_factory()
         engine.start()
         app.state.s = ServerState(
-            engine, model_name, api_key, max_queued_requests, ServerMetrics(model_name)
+            engine, model_name, api_key, max_queued_requests, ServerMetrics(model_name, api_server)
         )
+        app.state.process_list = process_list or engine.processes
         try:
             yield
         finally:
@@ -159,12 +164,11 @@ def build_app(
     @app.get("/processes")
     async def processes(request: Request) -> dict:
         """Every process serving this server: role, rank, pid and DP rank (stepscope's own)."""
-        engine = request.app.state.s.engine
         return {
             "object": "list",
             "data": [
                 {"role": p.role, "rank": p.rank, "pid": p.pid, "dp_rank": p.dp_rank}
-                for p in engine.processes()
+                for p in request.app.state.process_list()
             ],
         }
 
@@ -811,3 +815,51 @@ async def _sse(
             },
         )
     yield "data: [DONE]\n\n"
+
+
+# ---- one of several API-server processes (started by engine/entrypoints/launcher.py) ---------
+def main() -> None:
+    """Serve on the launcher's shared socket, attached to the engine cores it started."""
+    import sys
+
+    import msgspec
+    import uvicorn
+
+    from stepscope.engine.entrypoints.launcher import APIServerArgs, read_processes
+    from stepscope.traces import names
+    from stepscope.traces.process import watch_parent
+    from stepscope.traces.setup import init_process_tracing, shutdown_tracing
+
+    args = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=APIServerArgs)
+    watch_parent(args.parent_pid)
+    engine_args = args.engine_args
+    init_process_tracing(
+        names.SERVICE_API,
+        rank=args.index,
+        collector_endpoint=engine_args.get("collector_endpoint"),
+        otlp_endpoint=engine_args.get("otlp_endpoint"),
+        trace_steps=engine_args.get("trace_steps", "all"),
+    )
+    app = build_app(
+        lambda: AsyncLLM(
+            args.model,
+            engine_handles=args.handles,
+            client_index=args.index,
+            output_addr=args.output_addr,
+            **engine_args,
+        ),
+        model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        api_server=args.index,
+        process_list=lambda: read_processes(args.processes_file),
+    )
+    config = uvicorn.Config(app, fd=args.fd, log_level="warning", timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

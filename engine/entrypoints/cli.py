@@ -101,6 +101,48 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="engine cores, each with its own scheduler, KV pool and TP workers",
     )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API-server processes sharing the port, each connected to every engine core",
+    )
+    scale = p.add_argument_group("more than one machine (docs/scaling.md)")
+    scale.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="DP ranks whose engine cores run on this machine (default: all of them)",
+    )
+    scale.add_argument(
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        help="with --headless: the first DP rank this machine runs",
+    )
+    scale.add_argument(
+        "--data-parallel-address",
+        default="127.0.0.1",
+        help="the head's address: engine cores on other machines register there",
+    )
+    scale.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=29550,
+        help="the head's port for engine-core registration",
+    )
+    scale.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only engine cores (DP ranks from --data-parallel-start-rank), registered "
+        "with the head at --data-parallel-address; no API server",
+    )
+    scale.add_argument(
+        "--engine-ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the head waits for every DP rank (local or remote) to be ready",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--executor", choices=["uni", "mp"], default="mp")

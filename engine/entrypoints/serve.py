@@ -53,10 +53,18 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     # Validate the configuration before anything starts, so a typo fails fast and clearly.
     from stepscope.engine.config import EngineConfig
+    from stepscope.engine.entrypoints import launcher
 
     EngineConfig(model=args.model, offline=False, **engine_args)
+    launcher.check_scale_out_args(args)
+    if args.headless:
+        launcher.run_headless(args, engine_args)
+        return
+    # One API server with every rank on this machine: this process is the API server, and its
+    # AsyncLLM starts the engine. Otherwise this process launches everything (launcher.py).
+    run = _run if not launcher.needs_launcher(args) else launcher.launch
     if not tracing:
-        _run(args, engine_args, name)
+        run(args, engine_args, name)
         return
     trace_db = Path(args.trace_db) if args.trace_db else default_trace_db()
     trace_db.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +74,11 @@ def serve(args: argparse.Namespace) -> None:
         # The live dashboard runs inside the collector, which owns the trace file.
         os.environ["STEPSCOPE_DASHBOARD_PORT"] = str(args.dashboard_port)
         extensions.append("stepscope.viz.dashboard:mount_on_collector")
-    collector, collector_url = start_collector_process(str(trace_db), extensions=extensions)
+    # Engine cores on other machines send their spans here too: listen where they can reach.
+    host = args.data_parallel_address if launcher.has_remote_ranks(args) else "127.0.0.1"
+    collector, collector_url = start_collector_process(
+        str(trace_db), host=host, extensions=extensions
+    )
     engine_args["collector_endpoint"] = collector_url
     init_process_tracing(
         names.SERVICE_API,
@@ -78,7 +90,7 @@ def serve(args: argparse.Namespace) -> None:
     if args.dashboard_port is not None:
         print(f"stepscope: dashboard on http://127.0.0.1:{args.dashboard_port}", flush=True)
     try:
-        _run(args, engine_args, name)
+        run(args, engine_args, name)
     finally:
         try:
             dropped = shutdown_tracing()

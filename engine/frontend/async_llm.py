@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from stepscope.engine.config import EngineConfig
-from stepscope.engine.frontend.core_client import AsyncMPClient, EngineDeadError
+from stepscope.engine.frontend.core_client import AsyncMPClient, EngineDeadError, EngineHandles
 from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
 from stepscope.engine.frontend.output_processor import OutputProcessor
 from stepscope.engine.messages import EngineCoreOutputs, ProcessInfo
@@ -25,13 +25,29 @@ from stepscope.traces import names
 
 
 class AsyncLLM:
-    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        engine_handles: EngineHandles | None = None,
+        client_index: int = 0,
+        output_addr: str | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """Starts its own engine cores, or, given `engine_handles` from a launcher (several API
+        servers), attaches to those as API server `client_index`, receiving at `output_addr`."""
         engine_args.setdefault("executor", "mp")
         self.config = EngineConfig(model=model, offline=False, **engine_args)
         self.model_name = model
         self.model_dir = resolve_model(model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.client = AsyncMPClient(self.config, self.model_dir)
+        self.client = AsyncMPClient(
+            self.config,
+            self.model_dir,
+            handles=engine_handles,
+            client_index=client_index,
+            output_addr=output_addr,
+        )
         self.processor = InputProcessor(
             self.tokenizer, self.client.max_model_len, load_config(self.model_dir)["vocab_size"]
         )

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 import weakref
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,10 @@ import zmq
 import zmq.asyncio
 
 from stepscope.engine.config import EngineConfig
-from stepscope.engine.core.dp_coordinator import CoordinatorArgs, decode_loads
+from stepscope.engine.core.dp_coordinator import RANK_TIMEOUT_S, decode_loads
 from stepscope.engine.core.engine_core import EngineCore
 from stepscope.engine.messages import (
+    CoreAddresses,
     CoreProcArgs,
     EngineCoreOutputs,
     EngineCoreReady,
@@ -49,6 +49,7 @@ from stepscope.engine.messages import (
 )
 from stepscope.traces import crossing
 from stepscope.traces.crossing import traced_receive, traced_send
+from stepscope.traces.process import free_port
 
 STARTUP_TIMEOUT_S = 600.0  # the first start may convert the default model (~20 s) and load it
 POLL_MS = 100
@@ -116,176 +117,262 @@ def decode_output(kind: bytes, payload: bytes, dp_rank: int | None = None) -> An
     return _DECODERS[kind].decode(payload)
 
 
-class _CoreProcess:
-    """Starts one engine-core process (one DP rank) and stops it at exit; `wait_ready` waits for
-    its readiness handshake, so that several ranks can start side by side."""
+class EngineHandles(msgspec.Struct, array_like=True):
+    """What an API server needs to reach every engine core that a launcher started (or that
+    registered with it from another machine)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_dir: Path,
-        ctx: zmq.Context,
-        coordinator_addr: str | None = None,
-    ) -> None:
-        self.dp_rank = config.data_parallel_rank
-        self._dir = tempfile.mkdtemp(prefix="stepscope-")
-        name = uuid.uuid4().hex[:8]
-        self.input_addr = f"ipc://{self._dir}/{name}-in"
-        self.output_addr = f"ipc://{self._dir}/{name}-out"
-        # The client binds both sockets, so the core can connect whenever it is ready.
-        self.input_sock = ctx.socket(zmq.PUSH)
-        self.input_sock.bind(self.input_addr)
-        self.output_sock = ctx.socket(zmq.PULL)
-        self.output_sock.bind(self.output_addr)
-        # A fresh interpreter, not multiprocessing: nothing of this process (its __main__, its
-        # threads, its tracer provider) is inherited, and user scripts need no __main__ guard.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stepscope.engine.core.core_proc"], stdin=subprocess.PIPE
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(
-            msgspec.msgpack.encode(
-                CoreProcArgs(
-                    config=dataclasses.asdict(config),
-                    model_dir=str(model_dir),
-                    input_addr=self.input_addr,
-                    output_addr=self.output_addr,
-                    parent_pid=os.getpid(),
-                    coordinator_addr=coordinator_addr,
-                )
-            )
-        )
-        self.proc.stdin.close()
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self._dir)
-        self.ready: EngineCoreReady | None = None
+    input_addrs: list[str]  # per DP rank: where its engine core takes requests
+    ready: list[EngineCoreReady]  # per DP rank: its handshake
+    publish_addr: str | None = None  # the DP coordinator's loads (DP > 1)
+    coordinator_pid: int | None = None
+    local_pids: list[int] = []  # engine cores and coordinator on this machine, to watch
 
     @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def num_kv_blocks(self) -> int:
+        return self.ready[0].num_kv_blocks
 
     @property
-    def exitcode(self) -> int | None:
-        return self.proc.poll()
+    def max_model_len(self) -> int:
+        return self.ready[0].max_model_len
 
-    def wait_ready(self) -> EngineCoreReady:
-        waited = 0.0
-        while waited < STARTUP_TIMEOUT_S:
-            if self.output_sock.poll(POLL_MS):
-                kind, payload = self.output_sock.recv_multipart()
-                msg = _DECODERS[kind].decode(payload)
-                if kind == OutputKind.READY:
-                    self.ready = msg
-                    return msg
-                if kind == OutputKind.DEAD:
-                    raise EngineDeadError(msg.reason)
-            if not self.alive:
-                raise EngineDeadError(
-                    f"the engine core exited during start-up (exit code {self.exitcode}); "
-                    "its error is printed above"
-                )
-            waited += POLL_MS / 1000
-        raise EngineDeadError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
-
-    def stop(self) -> None:
-        self._finalizer()
+    def processes(self) -> list[ProcessInfo]:
+        coordinator = (
+            [ProcessInfo("dp_coordinator", 0, self.coordinator_pid)]
+            if self.coordinator_pid is not None
+            else []
+        )
+        return [*coordinator, *(p for ready in self.ready for p in ready.processes)]
 
 
-def _stop_process(proc: subprocess.Popen, folder: str | None = None) -> None:
+def describe_rank(dp_size: int, rank: int, what: str) -> str:
+    if dp_size == 1:
+        return f"the engine core {what}"
+    return f"the engine core of DP rank {rank} {what}"
+
+
+def _spawn(module: str, args: msgspec.Struct) -> subprocess.Popen:
+    """A fresh interpreter running `module`, its arguments on stdin. Not multiprocessing: nothing
+    of this process (its __main__, threads, tracer provider) is inherited, and user scripts need
+    no __main__ guard."""
+    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(msgspec.msgpack.encode(args))
+    proc.stdin.close()
+    return proc
+
+
+def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        proc.terminate()  # SIGTERM: the core stops its workers on the way out
+        proc.terminate()  # SIGTERM: an engine core stops its workers on the way out
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
     if proc.poll() is None:
         proc.kill()
         proc.wait(5)
-    if folder is not None:
-        for f in Path(folder).glob("*"):
-            f.unlink(missing_ok=True)
+
+
+def remove_folder(folder: str) -> None:
+    for f in Path(folder).glob("*"):
+        f.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
         Path(folder).rmdir()
 
 
-class _CoordinatorProcess:
-    """The DP coordinator (engine/core/dp_coordinator.py), started when DP > 1."""
-
-    def __init__(self, data_parallel_size: int) -> None:
-        self._dir = tempfile.mkdtemp(prefix="stepscope-dp-")
-        self.stats_addr = f"ipc://{self._dir}/stats"
-        self.publish_addr = f"ipc://{self._dir}/publish"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stepscope.engine.core.dp_coordinator"], stdin=subprocess.PIPE
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(
-            msgspec.msgpack.encode(
-                CoordinatorArgs(data_parallel_size, self.stats_addr, self.publish_addr, os.getpid())
-            )
-        )
-        self.proc.stdin.close()
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self._dir)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        self._finalizer()
-
-
 class EngineGroup:
-    """Every engine-core process behind one client: one per DP rank, plus the coordinator when
-    there are several. Starting one rank fails the whole group, and stops what did start."""
+    """The engine side of a deployment, as its launcher holds it (vLLM: `CoreEngineProcManager`
+    with `launch_core_engines`): the DP coordinator when DP > 1, an engine-core process for each
+    local DP rank, and the handshake that waits until every rank, local or registering from
+    another machine, is ready, then tells each where its API servers listen.
 
-    def __init__(self, config: EngineConfig, model_dir: Path, ctx: zmq.Context) -> None:
-        size = config.data_parallel_size
-        self.coordinator = _CoordinatorProcess(size) if size > 1 else None
-        coordinator_addr = self.coordinator.stats_addr if self.coordinator else None
-        self.cores: list[_CoreProcess] = []
+    `output_addrs` are the API servers' output sockets, by client index (they bind them).
+    `local_ranks` defaults to every rank; `handshake_bind` (a TCP address) lets engine cores on
+    other machines register (`stepscope serve --headless`), and `host` is then the address this
+    machine is reached at. Starting fails as a whole, and stops what did start.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        output_addrs: list[str],
+        *,
+        local_ranks: range | None = None,
+        handshake_bind: str | None = None,
+        host: str | None = None,
+        ready_timeout: float = STARTUP_TIMEOUT_S,
+    ) -> None:
+        self.size = config.data_parallel_size
+        local_ranks = range(self.size) if local_ranks is None else local_ranks
+        self._dir = tempfile.mkdtemp(prefix="stepscope-")
+        self._ctx = zmq.Context()
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.coordinator: subprocess.Popen | None = None
+        self._coordinators: list[subprocess.Popen] = []  # the one above, for the finalizer
+        self._inputs: list[zmq.Socket] = []
+        self._finalizer = weakref.finalize(
+            self, _stop_group, self.procs, self._coordinators, self._dir, self._ctx
+        )
         try:
-            for rank in range(size):
-                rank_config = dataclasses.replace(config, data_parallel_rank=rank)
-                self.cores.append(_CoreProcess(rank_config, model_dir, ctx, coordinator_addr))
-            for core in self.cores:
-                try:
-                    core.wait_ready()
-                except EngineDeadError as e:
-                    prefix = f"DP rank {core.dp_rank}: " if size > 1 else ""
-                    raise EngineDeadError(prefix + str(e)) from None
+            self._start(config, model_dir, output_addrs, local_ranks, handshake_bind, host,
+                        ready_timeout)  # fmt: skip
         except BaseException:
             self.stop()
             raise
-        first = self.cores[0].ready
-        assert first is not None
-        self.num_kv_blocks = first.num_kv_blocks
-        self.max_model_len = first.max_model_len
+
+    def _start(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        output_addrs: list[str],
+        local_ranks: range,
+        handshake_bind: str | None,
+        host: str | None,
+        ready_timeout: float,
+    ) -> None:
+        from stepscope.engine.core.dp_coordinator import CoordinatorArgs
+
+        router = self._ctx.socket(zmq.ROUTER)
+        handshake_addr = handshake_bind or f"ipc://{self._dir}/handshake"
+        router.bind(handshake_addr)
+        coordinator_addr = None
+        self.publish_addr = None
+        if self.size > 1:
+            remote = len(local_ranks) < self.size
+            coordinator_addr = (
+                f"tcp://{host}:{free_port(host)}" if remote and host else f"ipc://{self._dir}/loads"
+            )
+            self.publish_addr = f"ipc://{self._dir}/publish"
+            self.coordinator = _spawn(
+                "stepscope.engine.core.dp_coordinator",
+                CoordinatorArgs(self.size, coordinator_addr, self.publish_addr, os.getpid()),
+            )
+            self._coordinators.append(self.coordinator)
+        for rank in local_ranks:
+            self.procs[rank] = start_core_process(
+                config, model_dir, rank, handshake_addr, f"ipc://{self._dir}/core-{rank}"
+            )
+        self.ready: list[EngineCoreReady | None] = [None] * self.size
+        answer = msgspec.msgpack.encode(CoreAddresses(output_addrs, coordinator_addr))
+        deadline = time.monotonic() + ready_timeout
+        try:
+            while any(r is None for r in self.ready):
+                if router.poll(POLL_MS):
+                    identity, kind, rank_frame, payload = router.recv_multipart()
+                    rank = int(rank_frame)
+                    msg = _DECODERS[kind].decode(payload)
+                    if kind == OutputKind.DEAD:
+                        raise EngineDeadError(describe_rank(self.size, rank, msg.reason))
+                    if not 0 <= rank < self.size or self.ready[rank] is not None:
+                        continue  # a stray or duplicate registration: not ours
+                    self.ready[rank] = msg
+                    router.send_multipart([identity, answer])
+                self._check_started(local_ranks)
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(self._timeout_message(local_ranks, ready_timeout,
+                                                                handshake_addr))  # fmt: skip
+        finally:
+            router.close(linger=1000)
+        self.input_addrs = [r.input_addr for r in self.ready]  # type: ignore[union-attr]
+        for addr in self.input_addrs:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            self._inputs.append(sock)
+
+    def _check_started(self, local_ranks: range) -> None:
+        for rank, proc in self.procs.items():
+            if proc.poll() is not None and self.ready[rank] is None:
+                raise EngineDeadError(
+                    describe_rank(
+                        self.size,
+                        rank,
+                        f"exited during start-up (exit code {proc.poll()}); its error is "
+                        "printed above",
+                    )
+                )
+        if self.coordinator is not None and self.coordinator.poll() is not None:
+            raise EngineDeadError(
+                f"the DP coordinator exited during start-up (exit code {self.coordinator.poll()})"
+            )
+
+    def _timeout_message(self, local_ranks: range, timeout: float, handshake_addr: str) -> str:
+        missing = [r for r, ready in enumerate(self.ready) if ready is None]
+        remote = [r for r in missing if r not in local_ranks]
+        if remote:
+            return (
+                f"no engine core of DP ranks {remote} registered at {handshake_addr} within "
+                f"{timeout:.0f} s: start `stepscope serve --headless ...` on the machine(s) that "
+                "hold them, with the same --data-parallel-address and --data-parallel-rpc-port"
+            )
+        return f"the engine cores of DP ranks {missing} did not start within {timeout:.0f} s"
+
+    def handles(self) -> EngineHandles:
+        return EngineHandles(
+            input_addrs=self.input_addrs,
+            ready=self.ready,  # type: ignore[arg-type]
+            publish_addr=self.publish_addr,
+            coordinator_pid=self.coordinator.pid if self.coordinator is not None else None,
+            local_pids=[p.pid for p in self._all_procs()],
+        )
+
+    def _all_procs(self) -> list[subprocess.Popen]:
+        coordinator = [self.coordinator] if self.coordinator is not None else []
+        return [*self.procs.values(), *coordinator]
+
+    def watched(self) -> list[tuple[subprocess.Popen, str]]:
+        """Every local process with what its death means, for a watchdog."""
+        out = [
+            (proc, describe_rank(self.size, rank, "process died"))
+            for rank, proc in self.procs.items()
+        ]
+        if self.coordinator is not None:
+            out.append((self.coordinator, "the DP coordinator process died"))
+        return out
 
     def dead_reason(self) -> str | None:
-        """Why the group cannot serve any more (a process exited), or None; never blocks."""
-        for core in self.cores:
-            if not core.alive:
-                return self.describe(core.dp_rank, f"process died (exit code {core.exitcode})")
-        if self.coordinator is not None and not self.coordinator.alive:
-            return f"the DP coordinator process died (exit code {self.coordinator.proc.poll()})"
+        """Why the group cannot serve any more (a local process exited), or None; never blocks."""
+        for proc, what in self.watched():
+            if proc.poll() is not None:
+                return f"{what} (exit code {proc.poll()})"
         return None
 
-    def describe(self, rank: int, what: str) -> str:
-        if len(self.cores) == 1:
-            return f"the engine core {what}"
-        return f"the engine core of DP rank {rank} {what}"
-
-    def processes(self) -> list[ProcessInfo]:
-        coordinator = (
-            [ProcessInfo("dp_coordinator", 0, self.coordinator.proc.pid)]
-            if self.coordinator is not None
-            else []
-        )
-        cores = [p for core in self.cores if core.ready for p in core.ready.processes]
-        return [ProcessInfo("api", 0, os.getpid()), *coordinator, *cores]
+    def shutdown(self) -> None:
+        """Ask every engine core (remote ones too) to stop, then make sure the local ones do."""
+        for sock in self._inputs:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart([RequestKind.SHUTDOWN, b""], zmq.NOBLOCK)
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+        self.stop()
 
     def stop(self) -> None:
-        for core in self.cores:
-            core.stop()
-        if self.coordinator is not None:
-            self.coordinator.stop()
+        for sock in self._inputs:
+            sock.close(linger=500)
+        self._inputs.clear()
+        self._finalizer()
+
+
+def _stop_group(procs: dict, coordinator: list, folder: str, ctx: zmq.Context) -> None:
+    for proc in [*procs.values(), *coordinator]:
+        stop_process(proc)
+    remove_folder(folder)
+    ctx.destroy(linger=0)
+
+
+def start_core_process(
+    config: EngineConfig, model_dir: Path, rank: int, handshake_addr: str, input_bind: str
+) -> subprocess.Popen:
+    """One engine-core process for DP rank `rank`; it registers at `handshake_addr`."""
+    return _spawn(
+        "stepscope.engine.core.core_proc",
+        CoreProcArgs(
+            config=dataclasses.asdict(dataclasses.replace(config, data_parallel_rank=rank)),
+            model_dir=str(model_dir),
+            handshake_addr=handshake_addr,
+            input_bind=input_bind,
+            parent_pid=os.getpid(),
+        ),
+    )
 
 
 class LoadBalancer:
@@ -302,9 +389,19 @@ class LoadBalancer:
         self.in_flight = [0] * size
         self.rank_of: dict[str, int] = {}
 
-    def update(self, loads: list[list[int]]) -> None:
-        if len(loads) == len(self.published):
-            self.published = [(w, r) for w, r in loads]
+    def update(self, loads: list[list[int]]) -> str | None:
+        """Take the coordinator's [waiting, running, lost] per rank; why the engine is dead if
+        the coordinator lost a rank (no heartbeat), else None."""
+        if len(loads) != len(self.published):
+            return None
+        self.published = [(w, r) for w, r, _ in loads]
+        lost = [rank for rank, (_, _, gone) in enumerate(loads) if gone]
+        if lost:
+            return (
+                f"the engine core of DP rank {lost[0]} stopped reporting to the DP coordinator "
+                f"(no heartbeat for {RANK_TIMEOUT_S:.0f} s): its machine or process is gone"
+            )
+        return None
 
     def choose(self, request_id: str) -> int:
         size = len(self.in_flight)
@@ -377,11 +474,23 @@ class SyncMPClient:
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.ctx = zmq.Context()
-        self.group = EngineGroup(config, model_dir, self.ctx)
-        self.cores = self.group.cores
-        self.dp = len(self.cores)
-        self.num_kv_blocks = self.group.num_kv_blocks
-        self.max_model_len = self.group.max_model_len
+        self._dir = tempfile.mkdtemp(prefix="stepscope-api-")
+        output_addr = f"ipc://{self._dir}/out"
+        self.output_sock = self.ctx.socket(zmq.PULL)
+        self.output_sock.bind(output_addr)
+        try:
+            self.group = EngineGroup(config, model_dir, [output_addr])
+        except BaseException:
+            self.output_sock.close(linger=0)
+            self.ctx.term()
+            remove_folder(self._dir)
+            raise
+        handles = self.group.handles()
+        self.dp = config.data_parallel_size
+        self.handles = handles
+        self.num_kv_blocks = handles.num_kv_blocks
+        self.max_model_len = handles.max_model_len
+        self.input_socks = [_connect(self.ctx, zmq.PUSH, a) for a in handles.input_addrs]
         self.balancer = LoadBalancer(self.dp)
         self._encoder = msgspec.msgpack.Encoder()
         self._call_ids = itertools.count()
@@ -390,15 +499,10 @@ class SyncMPClient:
         self.dead_reason: str | None = None
         self._checked_at = 0.0
         self._poller = zmq.Poller()
-        self._rank_of_socket: dict[zmq.Socket, int] = {}
-        for core in self.cores:
-            self._poller.register(core.output_sock, zmq.POLLIN)
-            self._rank_of_socket[core.output_sock] = core.dp_rank
+        self._poller.register(self.output_sock, zmq.POLLIN)
         self._loads_sock = None
-        if self.group.coordinator is not None:
-            self._loads_sock = self.ctx.socket(zmq.SUB)
-            self._loads_sock.setsockopt(zmq.SUBSCRIBE, b"")
-            self._loads_sock.connect(self.group.coordinator.publish_addr)
+        if handles.publish_addr is not None:
+            self._loads_sock = _connect(self.ctx, zmq.SUB, handles.publish_addr, subscribe=True)
             self._poller.register(self._loads_sock, zmq.POLLIN)
 
     def _check_alive(self) -> None:
@@ -418,40 +522,37 @@ class SyncMPClient:
         if not ready:
             return False
         if self._loads_sock is not None and self._loads_sock in ready:
-            self.balancer.update(decode_loads(self._loads_sock.recv()))
-        for sock, rank in self._rank_of_socket.items():
-            if sock not in ready:
-                continue
-            kind, payload = sock.recv_multipart()
-            msg = decode_output(kind, payload, self._span_rank(rank))
+            lost = self.balancer.update(decode_loads(self._loads_sock.recv()))
+            if lost is not None and self.dead_reason is None:
+                self.dead_reason = lost
+                raise EngineDeadError(lost)
+        if self.output_sock in ready:
+            kind, rank_frame, payload = self.output_sock.recv_multipart()
+            rank = int(rank_frame)
+            msg = decode_output(kind, payload, rank if self.dp > 1 else None)
             if kind == OutputKind.OUTPUTS:
                 self.balancer.observe(msg)
                 self._outputs.put(msg)
             elif kind == OutputKind.UTILITY:
                 self._utility.setdefault(msg.call_id, {})[rank] = msg
             elif kind == OutputKind.DEAD:
-                self.dead_reason = self.group.describe(rank, f"failed: {msg.reason}")
+                self.dead_reason = describe_rank(self.dp, rank, msg.reason)
                 raise EngineDeadError(self.dead_reason)
         return True
-
-    def _span_rank(self, rank: int) -> int | None:
-        return rank if self.dp > 1 else None
 
     def add_request(self, request: EngineCoreRequest) -> int:
         """Send `request` to the least-loaded rank; returns that rank."""
         self._check_alive()
         rank = self.balancer.choose(request.request_id)
-        self.cores[rank].input_sock.send_multipart(
-            [RequestKind.ADD, encode_request(request, self._span_rank(rank))]
+        self.input_socks[rank].send_multipart(
+            [RequestKind.ADD, encode_request(request, rank if self.dp > 1 else None)]
         )
         return rank
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._check_alive()
         for rank, ids in self.balancer.by_rank(request_ids).items():
-            self.cores[rank].input_sock.send_multipart(
-                [RequestKind.ABORT, self._encoder.encode(ids)]
-            )
+            self.input_socks[rank].send_multipart([RequestKind.ABORT, self._encoder.encode(ids)])
             for rid in ids:
                 self.balancer.finished(rid)
 
@@ -465,8 +566,8 @@ class SyncMPClient:
         self._check_alive()
         call_id = next(self._call_ids)
         data = self._encoder.encode(UtilityRequest(call_id, method, list(args)))
-        for core in self.cores:
-            core.input_sock.send_multipart([RequestKind.UTILITY, data])
+        for sock in self.input_socks:
+            sock.send_multipart([RequestKind.UTILITY, data])
         while len(self._utility.get(call_id, ())) < self.dp:
             self._receive()
         results = self._utility.pop(call_id)
@@ -476,57 +577,73 @@ class SyncMPClient:
         return merge_utility_results(method, [results[r].result for r in range(self.dp)])
 
     def processes(self) -> list[ProcessInfo]:
-        return self.group.processes()
+        return [ProcessInfo("api", 0, os.getpid()), *self.handles.processes()]
 
     def shutdown(self) -> None:
         if self.dead_reason is None:
-            for core in self.cores:
-                if core.alive:
-                    with contextlib.suppress(zmq.ZMQError):
-                        core.input_sock.send_multipart([RequestKind.SHUTDOWN, b""])
-            for core in self.cores:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    core.proc.wait(10)
+            self.group.shutdown()
         self.group.stop()
-        for core in self.cores:
-            core.input_sock.close(linger=0)
-            core.output_sock.close(linger=0)
+        for sock in [*self.input_socks, self.output_sock]:
+            sock.close(linger=0)
         if self._loads_sock is not None:
             self._loads_sock.close(linger=0)
         self.ctx.term()
+        remove_folder(self._dir)
+
+
+def _connect(ctx: zmq.Context, kind: int, addr: str, subscribe: bool = False) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    if subscribe:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(addr)
+    return sock
 
 
 class AsyncMPClient:
     """asyncio client of the engine-core processes (used by `AsyncLLM`), one per DP rank.
 
-    One task per rank reads its output socket and hands each EngineCoreOutputs to `on_outputs`;
-    with DP > 1 another reads the coordinator's loads. A watchdog thread per process notices a
-    dead engine core (or coordinator) and calls `on_dead` within a second.
+    Either it launches them (`AsyncMPClient(config, model_dir)`: one API server), or it attaches
+    to those a launcher started (`attach`: API server `client_index` of several). One task reads
+    the output socket and hands each EngineCoreOutputs to `on_outputs`; with DP > 1 another reads
+    the coordinator's loads. A dead engine core or coordinator calls `on_dead` within a second:
+    watched by pid on this machine, by the coordinator's heartbeat on another.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path | None = None,
+        *,
+        handles: EngineHandles | None = None,
+        client_index: int = 0,
+        output_addr: str | None = None,
+    ) -> None:
         self.ctx = zmq.asyncio.Context()
-        # Start-up handshake over plain blocking sockets, then switch to asyncio ones.
-        sync_ctx = zmq.Context()
-        self.group = EngineGroup(config, model_dir, sync_ctx)
-        self.dp = len(self.group.cores)
-        self.input_socks: list[zmq.asyncio.Socket] = []
-        self.output_socks: list[zmq.asyncio.Socket] = []
-        for core in self.group.cores:
-            core.input_sock.close(linger=0)
-            core.output_sock.close(linger=0)
-            self.input_socks.append(self.ctx.socket(zmq.PUSH))
-            self.input_socks[-1].bind(core.input_addr)
-            self.output_socks.append(self.ctx.socket(zmq.PULL))
-            self.output_socks[-1].bind(core.output_addr)
-        sync_ctx.term()
+        self._dir: str | None = None
+        if output_addr is None:
+            self._dir = tempfile.mkdtemp(prefix="stepscope-api-")
+            output_addr = f"ipc://{self._dir}/out"
+        self.output_sock = self.ctx.socket(zmq.PULL)
+        self.output_sock.bind(output_addr)
+        self.group: EngineGroup | None = None
+        if handles is None:
+            assert model_dir is not None
+            try:
+                self.group = EngineGroup(config, model_dir, [output_addr])
+            except BaseException:
+                self.output_sock.close(linger=0)
+                self.ctx.term()
+                raise
+            handles = self.group.handles()
+        self.handles = handles
+        self.client_index = client_index
+        self.dp = config.data_parallel_size
+        self.input_socks = [_connect(self.ctx, zmq.PUSH, a) for a in handles.input_addrs]
         self.loads_sock = None
-        if self.group.coordinator is not None:
-            self.loads_sock = self.ctx.socket(zmq.SUB)
-            self.loads_sock.setsockopt(zmq.SUBSCRIBE, b"")
-            self.loads_sock.connect(self.group.coordinator.publish_addr)
-        self.num_kv_blocks = self.group.num_kv_blocks
-        self.max_model_len = self.group.max_model_len
+        if handles.publish_addr is not None:
+            self.loads_sock = _connect(self.ctx, zmq.SUB, handles.publish_addr, subscribe=True)
+        self.num_kv_blocks = handles.num_kv_blocks
+        self.max_model_len = handles.max_model_len
         self.balancer = LoadBalancer(self.dp)
         self._encoder = msgspec.msgpack.Encoder()
         self._call_ids = itertools.count()
@@ -539,24 +656,42 @@ class AsyncMPClient:
         """Begin reading outputs; call from inside the running event loop."""
         loop = asyncio.get_running_loop()
         self._on_dead = on_dead
-        for rank in range(self.dp):
-            self._tasks.append(loop.create_task(self._read_loop(rank, on_outputs)))
+        self._tasks.append(loop.create_task(self._read_loop(on_outputs)))
         if self.loads_sock is not None:
             self._tasks.append(loop.create_task(self._read_loads()))
-        procs = [(c.dp_rank, c.proc) for c in self.group.cores]
-        if self.group.coordinator is not None:
-            procs.append((None, self.group.coordinator.proc))
-        for rank, proc in procs:
-            threading.Thread(target=self._watchdog, args=(loop, rank, proc), daemon=True).start()
+        if self.group is not None:
+            for proc, what in self.group.watched():
+                threading.Thread(
+                    target=self._watch_child, args=(loop, proc, what), daemon=True
+                ).start()
+        else:
+            threading.Thread(target=self._watch_pids, args=(loop,), daemon=True).start()
 
-    def _watchdog(self, loop: asyncio.AbstractEventLoop, rank: int | None, proc) -> None:
+    def _watch_child(self, loop: asyncio.AbstractEventLoop, proc, what: str) -> None:
         code = proc.wait()
         if not self._closed:
-            if rank is None:
-                reason = f"the DP coordinator process died (exit code {code})"
-            else:
-                reason = self.group.describe(rank, f"process died (exit code {code})")
-            loop.call_soon_threadsafe(self._mark_dead, reason)
+            loop.call_soon_threadsafe(self._mark_dead, f"{what} (exit code {code})")
+
+    def _watch_pids(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Processes a launcher started are not our children: poll them by pid."""
+        import psutil
+
+        names = {p.pid: p for p in self.handles.processes()}
+        while not self._closed:
+            for pid in self.handles.local_pids:
+                try:
+                    gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    gone = True
+                if gone and not self._closed:
+                    info = names.get(pid)
+                    if info is not None and info.role == "engine_core":
+                        what = describe_rank(self.dp, info.dp_rank, "process died")
+                    else:
+                        what = "the DP coordinator process died"
+                    loop.call_soon_threadsafe(self._mark_dead, what)
+                    return
+            time.sleep(POLL_MS / 1000)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -570,20 +705,22 @@ class AsyncMPClient:
     async def _read_loads(self) -> None:
         assert self.loads_sock is not None
         while True:
-            self.balancer.update(decode_loads(await self.loads_sock.recv()))
+            lost = self.balancer.update(decode_loads(await self.loads_sock.recv()))
+            if lost is not None:
+                self._mark_dead(lost)
 
-    async def _read_loop(self, rank: int, on_outputs) -> None:
-        span_rank = rank if self.dp > 1 else None
+    async def _read_loop(self, on_outputs) -> None:
         while True:
-            kind, payload = await self.output_socks[rank].recv_multipart()
-            msg = decode_output(kind, payload, span_rank)
+            kind, rank_frame, payload = await self.output_sock.recv_multipart()
+            rank = int(rank_frame)
+            msg = decode_output(kind, payload, rank if self.dp > 1 else None)
             if kind == OutputKind.OUTPUTS:
                 self.balancer.observe(msg)
                 on_outputs(msg)
             elif kind == OutputKind.UTILITY:
                 self._file_utility(rank, msg)
             elif kind == OutputKind.DEAD:
-                self._mark_dead(self.group.describe(rank, f"failed: {msg.reason}"))
+                self._mark_dead(describe_rank(self.dp, rank, msg.reason))
 
     def _file_utility(self, rank: int, msg: UtilityResult) -> None:
         entry = self._utility.get(msg.call_id)
@@ -608,6 +745,7 @@ class AsyncMPClient:
         """Send `request` to the least-loaded rank; returns that rank."""
         self._check_alive()
         rank = self.balancer.choose(request.request_id)
+        request.client_index = self.client_index
         data = encode_request(request, rank if self.dp > 1 else None)
         await self.input_socks[rank].send_multipart([RequestKind.ADD, data])
         return rank
@@ -629,29 +767,27 @@ class AsyncMPClient:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._utility[call_id] = (fut, {})
-        data = self._encoder.encode(UtilityRequest(call_id, method, list(args)))
+        msg = UtilityRequest(call_id, method, list(args), self.client_index)
+        data = self._encoder.encode(msg)
         for sock in self.input_socks:
             await sock.send_multipart([RequestKind.UTILITY, data])
         return merge_utility_results(method, await fut)
 
     def processes(self) -> list[ProcessInfo]:
-        return self.group.processes()
+        return [ProcessInfo("api", self.client_index, os.getpid()), *self.handles.processes()]
 
     def shutdown(self) -> None:
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        if self.dead_reason is None:
-            for sock, core in zip(self.input_socks, self.group.cores, strict=True):
-                if core.alive:
-                    with contextlib.suppress(zmq.ZMQError):
-                        sock.send_multipart([RequestKind.SHUTDOWN, b""])
-            for core in self.group.cores:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    core.proc.wait(10)
-        self.group.stop()
-        for sock in [*self.input_socks, *self.output_socks]:
+        if self.group is not None:  # ours to stop; a launcher stops what it started
+            if self.dead_reason is None:
+                self.group.shutdown()
+            self.group.stop()
+        for sock in [*self.input_socks, self.output_sock]:
             sock.close(linger=0)
         if self.loads_sock is not None:
             self.loads_sock.close(linger=0)
         self.ctx.term()
+        if self._dir is not None:
+            remove_folder(self._dir)

@@ -52,11 +52,14 @@ def dp1_tokens() -> list[list[int]]:
 def test_balancer_alternates_a_burst_and_follows_published_loads() -> None:
     lb = LoadBalancer(2)
     assert [lb.choose(f"a{i}") for i in range(6)] == [0, 1, 0, 1, 0, 1]
-    lb.update([[10, 0], [0, 2]])  # rank 0 has a long queue: the next ones go to rank 1
+    assert (
+        lb.update([[10, 0, 0], [0, 2, 0]]) is None
+    )  # rank 0 has a long queue: the next ones go to rank 1
     assert [lb.choose(f"b{i}") for i in range(3)] == [1, 1, 1]
     assert lb.by_rank(["a0", "a1", "b0", "gone"]) == {0: ["a0"], 1: ["a1", "b0"]}
     lb.finished("a0")
     assert lb.in_flight == [2, 6] and "a0" not in lb.rank_of
+    assert "DP rank 1 stopped reporting" in lb.update([[0, 0, 0], [0, 0, 1]])
 
 
 def test_stats_of_ranks_add_up() -> None:
