@@ -820,6 +820,7 @@ async def _sse(
 # ---- one of several API-server processes (started by engine/entrypoints/launcher.py) ---------
 def main() -> None:
     """Serve on the launcher's shared socket, attached to the engine cores it started."""
+    import signal
     import sys
 
     import msgspec
@@ -855,6 +856,10 @@ def main() -> None:
         process_list=lambda: read_processes(args.processes_file),
     )
     config = uvicorn.Config(app, fd=args.fd, log_level="warning", timeout_graceful_shutdown=5)
+    # uvicorn stops gracefully on SIGTERM, then raises it again with the handler it found: make
+    # that an exit that unwinds (and flushes this process's spans), not a kill.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     try:
         uvicorn.Server(config).run()
     finally:

@@ -18,6 +18,7 @@ enough (vLLM: `run_multi_api_server` with `APIServerProcessManager`, and `run_he
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -176,9 +177,13 @@ def launch(args: argparse.Namespace, engine_args: dict, name: str) -> None:
     finally:
         for proc in servers:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)  # uvicorn stops gracefully
+                proc.send_signal(signal.SIGTERM)  # once: uvicorn stops gracefully, flushes spans
         for proc in servers:
-            stop_process(proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         group.shutdown()
         listener.close()
         remove_folder(folder)
