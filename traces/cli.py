@@ -42,16 +42,24 @@ def _section(out: TextIO, title: str, body: str) -> None:
 
 
 def trace_summary(path: str, out: TextIO | None = None) -> None:
-    """Print span counts, crossings per boundary, step statistics and latency percentiles."""
+    """Print span counts, crossings per boundary, step statistics and latency percentiles, and,
+    with data parallelism, the work of each DP rank."""
     out = out or sys.stdout
     with open_trace(path) as source:
         tables = queries.summary(source)
         recent = queries.list_requests(source, limit=10)
+    ranks = tables["ranks"]
+    several = len(ranks) > 1
     print(f"trace {path}", file=out)
     _section(out, "spans per name and process", _table(tables["spans"]))
     _section(out, "crossings per boundary", _table(tables["crossings"]))
-    _section(out, "engine steps", _table(tables["steps"]))
+    title = "engine steps (all DP ranks)" if several else "engine steps"
+    _section(out, title, _table(tables["steps"]))
+    if several:
+        _section(out, "work per DP rank", _table(ranks))
     _section(out, "latency percentiles (seconds)", _table(tables["latency"]))
+    if not several:
+        recent = recent.drop(columns="dp_rank")
     _section(out, "latest requests", _table(recent))
 
 
@@ -72,8 +80,13 @@ def trace_request(path: str, request_id: str, out: TextIO | None = None) -> int:
         except KeyError as error:
             print(error.args[0], file=sys.stderr)
             return 1
+        several = len(queries.dp_ranks(source)) > 1
     request = path_.request
-    print(f"request {request_id}  model {request['model']}  ({request['operation']})", file=out)
+    where = f"  DP rank {request['dp_rank']}" if several else ""
+    print(
+        f"request {request_id}  model {request['model']}  ({request['operation']}){where}",
+        file=out,
+    )
     print(
         f"  queue {_fmt_s(timings['queue_time_s'])}   TTFT {_fmt_s(timings['ttft_s'])}   "
         f"end-to-end {_fmt_s(timings['e2e_s'])}",

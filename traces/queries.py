@@ -57,11 +57,15 @@ class RequestPath:
     steps: pd.DataFrame  # the engine steps that scheduled tokens for it, in order
 
 
-_REQUEST_STEPS = """
+# Step indexes count per data-parallel rank: a step is (dp_rank, step), never the index alone.
+STEP_JOIN = "s.dp_rank = sr.dp_rank AND s.step = sr.step AND s.start_ns = sr.start_ns"
+
+_REQUEST_STEPS = f"""
 SELECT sr.step, sr.num_tokens, s.duration_s, s.num_running, s.num_waiting,
        s.num_decode_tokens, s.num_prefill_tokens, s.token_budget, s.kv_free_before,
-       s.kv_free_after, s.num_preempted, sr.start_ns, sr.end_ns, s.trace_id, s.span_id
-FROM step_requests sr JOIN steps s ON s.step = sr.step AND s.start_ns = sr.start_ns
+       s.kv_free_after, s.num_preempted, sr.start_ns, sr.end_ns, s.trace_id, s.span_id,
+       sr.dp_rank
+FROM step_requests sr JOIN steps s ON {STEP_JOIN}
 WHERE sr.request_id = $1
 ORDER BY sr.start_ns
 """
@@ -72,7 +76,7 @@ ORDER BY sr.start_ns
 _REQUEST_CROSSINGS = f"""
 WITH served AS (
     SELECT DISTINCT s.trace_id, s.step
-    FROM step_requests sr JOIN steps s ON s.step = sr.step AND s.start_ns = sr.start_ns
+    FROM step_requests sr JOIN steps s ON {STEP_JOIN}
     WHERE sr.request_id = $1
 ),
 named AS (
@@ -83,7 +87,7 @@ named AS (
 )
 SELECT c.boundary, c.side, c.message_type, c.bytes, c.num_requests, served.step,
        c.start_ns, c.end_ns, (c.end_ns - c.start_ns) / 1e3 AS duration_us,
-       c.service_name, c.rank, c.trace_id, c.span_id, c.parent_span_id
+       c.service_name, c.rank, c.dp_rank, c.trace_id, c.span_id, c.parent_span_id
 FROM crossings c LEFT JOIN served ON c.trace_id = served.trace_id
 WHERE c.trace_id IN (SELECT trace_id FROM requests WHERE request_id = $1)
    OR served.trace_id IS NOT NULL
@@ -128,6 +132,7 @@ def request_timings(source: Source, request_id: str) -> dict[str, Any]:
         "cached_tokens": request["cached_tokens"],
         "num_preemptions": request["num_preemptions"],
         "finish_reason": request["finish_reason"],
+        "dp_rank": request.get("dp_rank"),
         "num_steps": len(steps),
         "num_prefill_steps": len(prefill),
         "num_decode_steps": len(steps) - len(prefill),
@@ -184,13 +189,57 @@ ORDER BY list_position(['queue_time_s', 'ttft_s', 'e2e_s', 'step_s'], metric)
 """
 
 
+# One row per data-parallel rank: the requests routed to it and the steps it ran.
+_RANK_STATS = """
+WITH r AS (
+    SELECT dp_rank, count(*) AS requests,
+           CAST(sum(output_tokens) AS BIGINT) AS output_tokens,
+           CAST(sum(input_tokens) AS BIGINT) AS input_tokens,
+           quantile_cont(ttft_s, 0.5) * 1e3 AS p50_ttft_ms,
+           quantile_cont(ttft_s, 0.99) * 1e3 AS p99_ttft_ms
+    FROM requests GROUP BY dp_rank
+),
+s AS (
+    SELECT dp_rank, count(*) AS steps,
+           avg(duration_s) * 1e3 AS mean_step_ms,
+           avg((num_decode_tokens + num_prefill_tokens) / nullif(token_budget, 0))
+               AS mean_budget_used,
+           max(num_running) AS max_running,
+           max(num_waiting) AS max_waiting,
+           CAST(sum(num_preempted) AS BIGINT) AS preemptions
+    FROM steps GROUP BY dp_rank
+)
+SELECT dp_rank,
+       coalesce(r.requests, 0) AS requests,
+       coalesce(r.output_tokens, 0) AS output_tokens,
+       coalesce(r.input_tokens, 0) AS input_tokens,
+       coalesce(s.steps, 0) AS steps,
+       s.mean_step_ms, s.mean_budget_used, s.max_running, s.max_waiting,
+       coalesce(s.preemptions, 0) AS preemptions,
+       r.p50_ttft_ms, r.p99_ttft_ms
+FROM r FULL OUTER JOIN s USING (dp_rank)
+ORDER BY dp_rank
+"""
+
+_DP_RANKS = """
+SELECT dp_rank FROM steps UNION SELECT dp_rank FROM requests ORDER BY dp_rank
+"""
+
+
+def dp_ranks(source: Source) -> list[int]:
+    """The data-parallel ranks that ran steps or were sent requests ([0] for one rank)."""
+    return [int(r) for r in df(source, _DP_RANKS)["dp_rank"].dropna()]
+
+
 def summary(source: Source) -> dict[str, pd.DataFrame]:
-    """Counts per span name, per boundary and side, step statistics and latency percentiles."""
+    """Counts per span name, per boundary and side, step statistics, latency percentiles, and
+    the work of each data-parallel rank ("ranks": one row per `dp_rank`)."""
     return {
         "spans": df(source, _SPAN_COUNTS),
         "crossings": df(source, _CROSSING_COUNTS),
         "steps": df(source, _STEP_STATS),
         "latency": df(source, _LATENCY),
+        "ranks": df(source, _RANK_STATS),
     }
 
 
@@ -199,6 +248,6 @@ def list_requests(source: Source, limit: int = 20) -> pd.DataFrame:
     return df(
         source,
         "SELECT request_id, model, input_tokens, output_tokens, queue_time_s, ttft_s, e2e_s, "
-        "finish_reason FROM requests ORDER BY start_ns DESC LIMIT $1",
+        "finish_reason, dp_rank FROM requests ORDER BY start_ns DESC LIMIT $1",
         [limit],
     )

@@ -4,11 +4,17 @@ Per-step token budget (decode vs prefill), KV blocks used and free, running and 
 preemptions, a timeline of steps per process with the messages between them, latency
 histograms, and a request table whose rows open the request path page. A finished file is
 replayed with a step player; a live source is re-read by the app every second.
+
+With data parallelism (several `dp_rank`s) the page adds a table of each rank's work and, over
+time, one line per rank of its token budget use, KV blocks and queue; the per-step charts and the
+player show one rank at a time (step indexes count per rank), picked with a selector; and the
+timeline groups the processes by rank.
 """
 
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +30,7 @@ from bokeh.models import (
     Range1d,
     Span,
 )
+from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 
 from stepscope.traces import names as n
@@ -51,18 +58,24 @@ _STEPS_SQL = f"""
 SELECT * FROM (
     SELECT step, start_ns, end_ns, duration_s, num_running, num_waiting, num_decode_tokens,
            num_prefill_tokens, token_budget, kv_free_before, kv_free_after, kv_total_blocks,
-           prefix_hit_tokens, num_preempted, num_finished
+           prefix_hit_tokens, num_preempted, num_finished, dp_rank
     FROM steps ORDER BY start_ns DESC LIMIT {MAX_STEPS}
 ) ORDER BY start_ns
 """
 _REQUESTS_SQL = f"""
 SELECT request_id, start_ns, input_tokens, output_tokens, cached_tokens, num_preemptions,
-       queue_time_s, ttft_s, e2e_s, finish_reason
+       queue_time_s, ttft_s, e2e_s, finish_reason, dp_rank
 FROM requests WHERE request_id IS NOT NULL ORDER BY start_ns DESC LIMIT {MAX_REQUESTS}
 """
+# A step span's data-parallel rank, as the views read it (docs/tracing.md): its process's.
+_SPAN_DP_RANK = (
+    f"""coalesce(CAST(json_extract(attributes, '$."{n.DP_RANK}"') AS INTEGER), """
+    f"""CAST(json_extract(resource, '$."{n.DP_RANK}"') AS INTEGER), 0)"""
+)
 _TIMELINE_SPANS_SQL = f"""
 SELECT name, service_name, rank, start_ns, end_ns,
-       CAST(json_extract(attributes, '$."{n.STEP}"') AS BIGINT) AS step
+       CAST(json_extract(attributes, '$."{n.STEP}"') AS BIGINT) AS step,
+       {_SPAN_DP_RANK} AS dp_rank
 FROM spans
 WHERE name IN ('{n.ENGINE_STEP}', '{n.WORKER_STEP}') AND start_ns BETWEEN $1 AND $2
 """
@@ -70,27 +83,175 @@ _TIMELINE_CROSSINGS_SQL = """
 WITH c AS (SELECT * FROM crossings WHERE start_ns BETWEEN $1 AND $2)
 SELECT s.boundary, s.message_type, s.bytes, s.num_requests, s.start_ns AS send_ns,
        r.end_ns AS recv_ns, s.service_name AS src_service, s.rank AS src_rank,
-       r.service_name AS dst_service, r.rank AS dst_rank
+       s.dp_rank AS src_dp_rank, r.service_name AS dst_service, r.rank AS dst_rank,
+       r.dp_rank AS dst_dp_rank
 FROM c s JOIN c r ON r.parent_span_id = s.span_id AND r.trace_id = s.trace_id
 WHERE s.side = 'send' AND r.side = 'receive'
 """
 _SIGNATURE_SQL = "SELECT count(*) AS spans, max(end_ns) AS last_ns FROM spans"
-_STEP_REQUESTS_SQL = "SELECT request_id, num_tokens FROM step_requests WHERE step = $1"
+# Step indexes count per data-parallel rank: a step is (dp_rank, step).
+_STEP_REQUESTS_SQL = (
+    "SELECT request_id, num_tokens FROM step_requests WHERE dp_rank = $1 AND step = $2"
+)
+RANK_COLORS = Category10_10
 
 
-def _lane(service: Any, rank: Any) -> str:
+def _lane(service: Any, rank: Any, dp_rank: Any = None) -> str:
+    """A process's lane; with several DP ranks (`dp_rank` given) the rank's engine core and
+    workers are named, and grouped, by rank. The API server is one process for all ranks."""
     if service == n.SERVICE_API:
         return "API server"
+    prefix = "" if dp_rank is None else f"DP {int_text(dp_rank)} · "
     if service == n.SERVICE_ENGINE_CORE:
-        return "engine core"
+        return prefix + "engine core"
     if service == n.SERVICE_WORKER:
-        return f"worker {int_text(rank)}"
-    return str(service)
+        return f"{prefix}worker {int_text(rank)}"
+    return prefix + str(service)
 
 
-def _lane_order(lane: str) -> tuple[int, str]:
+_RANK_LANE = re.compile(r"DP (\d+) · (.*)")
+
+
+def _lane_order(lane: str) -> tuple[int, int, str]:
+    """API server first, then each DP rank's engine core and its workers."""
     order = {"API server": 0, "engine core": 1}
-    return (order.get(lane, 2), lane)
+    match = _RANK_LANE.fullmatch(lane)
+    dp_rank, role = (int(match[1]), match[2]) if match else (-1 if lane in order else 0, lane)
+    return (dp_rank, order.get(role, 2), role)
+
+
+def rank_color(dp_rank: int) -> str:
+    return RANK_COLORS[int(dp_rank) % len(RANK_COLORS)]
+
+
+def _ranks(*frames: pd.DataFrame) -> list[int]:
+    """The DP ranks in these frames' `dp_rank` columns, in order."""
+    ranks: set[int] = set()
+    for frame in frames:
+        if "dp_rank" in frame:
+            ranks.update(int(r) for r in frame["dp_rank"].dropna().unique())
+    return sorted(ranks)
+
+
+def rank_series(steps: pd.DataFrame, origin_ns: int) -> dict[str, list[Any]]:
+    """One line per DP rank, over time: per step of the rank, its start (ms since `origin_ns`),
+    the share of the token budget it scheduled (%), the KV blocks used after scheduling, and its
+    running and waiting requests. Columns of the per-rank figures' (multi-line) source."""
+    data: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "dp_rank",
+            "label",
+            "color",
+            "xs",
+            "step",
+            "budget",
+            "kv_used",
+            "running",
+            "waiting",
+        )
+    }
+    for dp_rank in _ranks(steps):
+        mine = steps[steps["dp_rank"] == dp_rank].sort_values("start_ns")
+        cols = float_columns(
+            mine,
+            [
+                "step",
+                "start_ns",
+                "num_decode_tokens",
+                "num_prefill_tokens",
+                "token_budget",
+                "kv_free_after",
+                "kv_total_blocks",
+                "num_running",
+                "num_waiting",
+            ],
+        )
+        tokens = np.nan_to_num(cols["num_decode_tokens"]) + np.nan_to_num(
+            cols["num_prefill_tokens"]
+        )
+        budget = np.where(cols["token_budget"] > 0, cols["token_budget"], np.nan)
+        kv_used = np.maximum(
+            np.nan_to_num(cols["kv_total_blocks"]) - np.nan_to_num(cols["kv_free_after"]), 0
+        )
+        data["dp_rank"].append(dp_rank)
+        data["label"].append(f"DP rank {dp_rank}")
+        data["color"].append(rank_color(dp_rank))
+        data["xs"].append((mine["start_ns"].to_numpy(float) - origin_ns) / 1e6)
+        data["step"].append(cols["step"])
+        data["budget"].append(tokens / budget * 100)
+        data["kv_used"].append(kv_used)
+        data["running"].append(cols["num_running"])
+        data["waiting"].append(cols["num_waiting"])
+    return data
+
+
+def rank_table(steps: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
+    """One row per DP rank: the requests routed to it (with their output tokens and median
+    TTFT) and the steps it ran (mean budget use, largest queues, preemptions)."""
+    rows = []
+    for dp_rank in _ranks(steps, requests):
+        mine = steps[steps["dp_rank"] == dp_rank] if not steps.empty else steps
+        routed = requests[requests["dp_rank"] == dp_rank] if not requests.empty else requests
+        s = float_columns(
+            mine,
+            [
+                "num_decode_tokens",
+                "num_prefill_tokens",
+                "token_budget",
+                "num_running",
+                "num_waiting",
+                "num_preempted",
+                "duration_s",
+            ],
+        )
+        r = float_columns(routed, ["output_tokens", "ttft_s"])
+        budget = np.where(s["token_budget"] > 0, s["token_budget"], np.nan)
+        used = (s["num_decode_tokens"] + s["num_prefill_tokens"]) / budget
+        rows.append(
+            {
+                "dp_rank": dp_rank,
+                "requests": len(routed),
+                "output_tokens": int(np.nansum(r["output_tokens"])),
+                "steps": len(mine),
+                "budget_used": _nan_stat(np.nanmean, used),
+                "max_running": _nan_stat(np.nanmax, s["num_running"]),
+                "max_waiting": _nan_stat(np.nanmax, s["num_waiting"]),
+                "preemptions": int(np.nansum(s["num_preempted"])),
+                "step_ms": _nan_stat(np.nanmean, s["duration_s"]) * 1e3,
+                "ttft_p50_ms": _nan_stat(np.nanmedian, r["ttft_s"]) * 1e3,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _nan_stat(stat: Callable[[np.ndarray], Any], values: np.ndarray) -> float:
+    return float(stat(values)) if np.isfinite(values).any() else float("nan")
+
+
+def _rank_table_html(table: pd.DataFrame) -> str:
+    def num(value: Any, fmt: str = "{:.0f}") -> str:
+        return "-" if value is None or pd.isna(value) else fmt.format(value)
+
+    rows = []
+    for r in table.itertuples(index=False):
+        rows.append(
+            f'<tr id="rank-{r.dp_rank}"><td><span class="ss-dot" '
+            f'style="background:{rank_color(r.dp_rank)}"></span><b>DP rank {r.dp_rank}</b></td>'
+            f'<td class="num">{r.requests}</td><td class="num">{r.output_tokens}</td>'
+            f'<td class="num">{r.steps}</td>'
+            f'<td class="num">{num(r.budget_used * 100, "{:.0f} %")}</td>'
+            f'<td class="num">{num(r.max_running)}</td><td class="num">{num(r.max_waiting)}</td>'
+            f'<td class="num">{r.preemptions}</td>'
+            f'<td class="num">{num(r.step_ms, "{:.2f}")}</td>'
+            f'<td class="num">{num(r.ttft_p50_ms, "{:.2f}")}</td></tr>'
+        )
+    head = (
+        "<tr><th>rank</th><th>requests</th><th>output tokens</th><th>steps</th>"
+        "<th>budget used (mean)</th><th>running (max)</th><th>waiting (max)</th>"
+        "<th>preemptions</th><th>step (mean ms)</th><th>TTFT (p50 ms)</th></tr>"
+    )
+    return f'<table class="ss-table" id="rank-table">{head}{"".join(rows)}</table>'
 
 
 class EnginePage:
@@ -101,7 +262,10 @@ class EnginePage:
         self.open_request = open_request
         self.signature: tuple[Any, ...] | None = None
         self.origin_ns: int | None = None
-        self.steps = pd.DataFrame()
+        self.all_steps = pd.DataFrame()  # every rank's steps
+        self.steps = pd.DataFrame()  # the shown rank's steps (every step with one rank)
+        self.ranks: list[int] = [0]
+        self.dp_rank = 0  # the rank the per-step charts and the player show
         self.summary = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
         self.empty = pn.pane.Markdown(NO_TRACE, visible=source is None)
 
@@ -154,6 +318,60 @@ class EnginePage:
         )
         self.timeline_fig = self._timeline_figure()
 
+        # With several DP ranks: each rank's work, and one line per rank over time.
+        self.rank_lines = ColumnDataSource(
+            dict(
+                dp_rank=[],
+                label=[],
+                color=[],
+                xs=[],
+                step=[],
+                budget=[],
+                kv_used=[],
+                running=[],
+                waiting=[],
+            )
+        )
+        self.rank_markers = [
+            Span(
+                location=0,
+                dimension="height",
+                line_color="#33414e",
+                line_width=1.5,
+                line_dash="dashed",
+                visible=False,
+            )
+            for _ in range(3)
+        ]
+        self.rank_figs = [
+            self._rank_figure("Token budget used per step, per DP rank (%)", "budget", "% used"),
+            self._rank_figure("KV blocks used after scheduling, per DP rank", "kv_used", "blocks"),
+            self._rank_figure(
+                "Running (solid) and waiting (dashed) requests, per DP rank",
+                "running",
+                "requests",
+                dashed="waiting",
+            ),
+        ]
+        for fig, marker in zip(self.rank_figs, self.rank_markers, strict=True):
+            fig.add_layout(marker)
+            fig.x_range = self.rank_figs[0].x_range
+        self.rank_summary = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
+        self.rank_box = pn.Column(
+            pn.pane.Markdown(
+                "#### Data-parallel ranks\n"
+                "Each rank is an engine core with its own scheduler, KV cache and workers; the "
+                "API server sends each request to the least-loaded rank. Step indexes count per "
+                "rank: the per-step charts below show the rank picked beside the player."
+            ),
+            self.rank_summary,
+            pn.Row(*[bokeh_pane(f) for f in self.rank_figs], sizing_mode="stretch_width"),
+            sizing_mode="stretch_width",
+            visible=False,
+        )
+        self.rank_select = pn.widgets.Select(label="DP rank", options={}, width=140, visible=False)
+        self.rank_select.param.watch(lambda e: self._select_rank(e.new), "value")
+
         self.hists = {
             key: ColumnDataSource(dict(left=[], right=[], count=[]))
             for key in ("ttft", "itl", "e2e")
@@ -180,6 +398,7 @@ class EnginePage:
             css_classes=["request-table"],
             titles={
                 "request_id": "request",
+                "dp_rank": "DP rank",
                 "queue_ms": "queue (ms)",
                 "ttft_ms": "TTFT (ms)",
                 "itl_ms": "inter-token (ms)",
@@ -207,7 +426,8 @@ class EnginePage:
         self.step_detail = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
         self.content = pn.Column(
             self.summary,
-            pn.Row(self.player, self.step_detail, sizing_mode="stretch_width"),
+            self.rank_box,
+            pn.Row(self.rank_select, self.player, self.step_detail, sizing_mode="stretch_width"),
             pn.Row(
                 bokeh_pane(self.tokens_fig), bokeh_pane(self.kv_fig), sizing_mode="stretch_width"
             ),
@@ -360,6 +580,43 @@ class EnginePage:
         fig.add_tools(HoverTool(renderers=[links], tooltips=[("", "@label")], line_policy="interp"))
         return fig
 
+    def _rank_figure(
+        self, title: str, column: str, y_label: str, dashed: str | None = None
+    ) -> figure:
+        """One line per DP rank of `column` over time (and of `dashed`, dashed)."""
+        fig = new_figure(title, x_axis_label="ms since the first span", y_axis_label=y_label)
+        lines = [
+            fig.multi_line(
+                xs="xs",
+                ys=column,
+                source=self.rank_lines,
+                line_color="color",
+                line_width=2,
+                legend_field="label",
+            )
+        ]
+        if dashed is not None:
+            lines.append(
+                fig.multi_line(
+                    xs="xs",
+                    ys=dashed,
+                    source=self.rank_lines,
+                    line_color="color",
+                    line_width=2,
+                    line_dash="dashed",
+                )
+            )
+        fig.add_tools(
+            HoverTool(
+                renderers=lines,
+                tooltips=[("", "@label"), ("ms", "$x{0.0}"), (y_label, "$y{0.0}")],
+                line_policy="interp",
+            )
+        )
+        fig.y_range.start = 0
+        outside_legend(fig)
+        return fig
+
     def _histogram(self, key: str, title: str, color: str) -> figure:
         fig = new_figure(title, height=220, y_axis_label="requests")
         fig.quad(
@@ -398,18 +655,72 @@ class EnginePage:
         self.content.visible = True
         starts = [f["start_ns"].min() for f in (steps, requests) if not f.empty]
         self.origin_ns = int(min(starts))
-        self._show_steps(steps)
+        self.all_steps = steps
+        self.ranks = _ranks(steps, requests) or [0]
+        self._step_summary = self._step_cards(steps)
+        self._show_ranks(steps, requests)
         self._show_requests(requests, steps)
+        if self.dp_rank not in self.ranks:
+            self.dp_rank = self.ranks[0]
+        options = {f"rank {r}": r for r in self.ranks}
+        if options != self.rank_select.options:
+            self.rank_select.options = options
+        self.rank_select.visible = len(self.ranks) > 1
+        if self.rank_select.value != self.dp_rank:
+            self.rank_select.value = self.dp_rank  # calls _select_rank
+        else:
+            self._select_rank(self.dp_rank)
+
+    @property
+    def several_ranks(self) -> bool:
+        return len(self.ranks) > 1
+
+    def _select_rank(self, dp_rank: int | None) -> None:
+        """Show `dp_rank`'s steps on the per-step charts, the player and the timeline."""
+        if dp_rank is None or self.source is None:
+            return
+        self.dp_rank = int(dp_rank)
+        steps = self.all_steps
+        if not steps.empty and self.several_ranks:
+            steps = steps[steps["dp_rank"] == self.dp_rank].reset_index(drop=True)
+        for fig, title in zip(
+            (self.tokens_fig, self.kv_fig, self.queue_fig),
+            (
+                "Tokens per step: decode vs prefill, and the token budget",
+                "KV blocks after scheduling: used vs free",
+                "Running and waiting requests",
+            ),
+            strict=True,
+        ):
+            fig.title.text = f"{title} (DP rank {self.dp_rank})" if self.several_ranks else title
+        self._show_steps(steps)
         if self.source.live or steps.empty:
             self.player.visible = False
             self._show_timeline(None)
         else:
             self.player.visible = True
-            self.player.start = int(steps["step"].min())
-            self.player.end = max(int(steps["step"].max()), self.player.start + 1)
-            self.show_step(
-                self.player.value if self.player.value >= self.player.start else self.player.start
-            )
+            start = int(steps["step"].min())
+            end = max(int(steps["step"].max()), start + 1)
+            # Bounds in an order that never puts start above end on the way.
+            if start > self.player.end:
+                self.player.end, self.player.start = end, start
+            else:
+                self.player.start, self.player.end = start, end
+            value = min(max(self.player.value, start), end)
+            if value != self.player.value:
+                self.player.value = value  # calls show_step
+            else:
+                self.show_step(value)
+
+    def _show_ranks(self, steps: pd.DataFrame, requests: pd.DataFrame) -> None:
+        """The per-rank table and lines (only with several DP ranks)."""
+        self.rank_box.visible = self.several_ranks
+        if not self.several_ranks:
+            self.rank_lines.data = {k: [] for k in self.rank_lines.data}
+            self.rank_summary.object = ""
+            return
+        self.rank_lines.data = rank_series(steps, self.origin_ns or 0)
+        self.rank_summary.object = _rank_table_html(rank_table(steps, requests))
 
     def _show_steps(self, steps: pd.DataFrame) -> None:
         self.steps = steps
@@ -460,10 +771,28 @@ class EnginePage:
         )
         self.tokens_fig.y_range.end = top * 1.12
 
+    def _step_cards(self, steps: pd.DataFrame) -> list[tuple[str, str, str]]:
+        """Readout cards of every rank's steps together."""
+        if steps.empty:
+            return []
+        cols = float_columns(
+            steps,
+            [
+                "num_decode_tokens",
+                "num_prefill_tokens",
+                "token_budget",
+                "num_preempted",
+                "prefix_hit_tokens",
+                "duration_s",
+            ],
+        )
+        tokens = cols["num_decode_tokens"] + cols["num_prefill_tokens"]
         used_share = np.nanmean(
             tokens / np.where(cols["token_budget"] > 0, cols["token_budget"], np.nan)
         )
-        self._step_summary = [
+        ranks = [("eng-ranks", "DP ranks", str(len(self.ranks)))] if self.several_ranks else []
+        return [
+            *ranks,
             ("eng-steps", "steps", str(len(steps))),
             (
                 "eng-budget",
@@ -523,6 +852,8 @@ class EnginePage:
         )
         for column in ("prompt", "output", "cached", "preemptions"):
             table[column] = table[column].fillna(0).astype(int)
+        if self.several_ranks:
+            table.insert(1, "dp_rank", requests["dp_rank"].fillna(0).astype(int).to_numpy())
         self.table.value = table
         self.summary.object = cards(
             [
@@ -558,11 +889,18 @@ class EnginePage:
         spans = self.source.query(_TIMELINE_SPANS_SQL, [t0, t1])
         links = self.source.query(_TIMELINE_CROSSINGS_SQL, [t0, t1])
         origin = self.origin_ns or t0
+        several = self.several_ranks
+
+        def dp(values: pd.Series) -> list[Any]:
+            """Each row's DP rank where lanes are grouped by rank, else None."""
+            return list(values) if several else [None] * len(values)
+
         # Lanes by role, not process: an offline run does every role in one process.
         kinds = ["engine core" if name == n.ENGINE_STEP else "worker" for name in spans["name"]]
+        roles = [n.SERVICE_ENGINE_CORE if k == "engine core" else n.SERVICE_WORKER for k in kinds]
         lanes = [
-            kind if kind == "engine core" else _lane(n.SERVICE_WORKER, rank)
-            for kind, rank in zip(kinds, spans["rank"], strict=True)
+            _lane(role, rank, dp_rank)
+            for role, rank, dp_rank in zip(roles, spans["rank"], dp(spans["dp_rank"]), strict=True)
         ]
         self.lane_bars.data = dict(
             lane=lanes,
@@ -577,8 +915,18 @@ class EnginePage:
             ],
             step=[int_text(s) for s in spans["step"]],
         )
-        src = [_lane(s, r) for s, r in zip(links["src_service"], links["src_rank"], strict=True)]
-        dst = [_lane(s, r) for s, r in zip(links["dst_service"], links["dst_rank"], strict=True)]
+        src = [
+            _lane(s, r, d)
+            for s, r, d in zip(
+                links["src_service"], links["src_rank"], dp(links["src_dp_rank"]), strict=True
+            )
+        ]
+        dst = [
+            _lane(s, r, d)
+            for s, r, d in zip(
+                links["dst_service"], links["dst_rank"], dp(links["dst_dp_rank"]), strict=True
+            )
+        ]
         boundary_colors = {
             n.API_TO_ENGINE_CORE: "#4C78A8",
             n.ENGINE_CORE_TO_WORKER: "#B279A2",
@@ -603,7 +951,8 @@ class EnginePage:
                 )
             ],
         )
-        all_lanes = sorted(set(lanes) | set(src) | set(dst) | {"engine core"}, key=_lane_order)
+        cores = {_lane(n.SERVICE_ENGINE_CORE, None, r if several else None) for r in self.ranks}
+        all_lanes = sorted(set(lanes) | set(src) | set(dst) | cores, key=_lane_order)
         self.timeline_fig.y_range.factors = list(reversed(all_lanes))
         self.timeline_fig.x_range.start = (t0 - origin) / 1e6
         self.timeline_fig.x_range.end = (t1 - origin) / 1e6
@@ -618,21 +967,29 @@ class EnginePage:
             marker.visible = True
         self._show_timeline(step)
         row = steps[steps["step"] == step]
+        # With several DP ranks, "step 3" alone is ambiguous: name the rank.
+        name = f"DP rank {self.dp_rank}, step {step}" if self.several_ranks else f"step {step}"
         if row.empty:
-            self.step_detail.object = f'<i id="replay-step">step {step}: not traced</i>'
+            self.step_detail.object = f'<i id="replay-step">{name}: not traced</i>'
+            for marker in self.rank_markers:
+                marker.visible = False
             return
         r = row.iloc[0]
         origin = self.origin_ns or 0
-        self.timeline_step.left = (int(r.start_ns) - origin) / 1e6
-        self.timeline_step.right = (int(r.end_ns) - origin) / 1e6
+        # Times from the columns: a row of mixed columns is float64, too coarse for ns.
+        self.timeline_step.left = (int(row["start_ns"].iloc[0]) - origin) / 1e6
+        self.timeline_step.right = (int(row["end_ns"].iloc[0]) - origin) / 1e6
         self.timeline_step.visible = True
-        served = self.source.query(_STEP_REQUESTS_SQL, [int(step)])
+        for marker in self.rank_markers:
+            marker.location = self.timeline_step.left
+            marker.visible = self.several_ranks
+        served = self.source.query(_STEP_REQUESTS_SQL, [self.dp_rank, int(step)])
         who = ", ".join(
             f"{rid} ({k})"
             for rid, k in zip(served["request_id"], served["num_tokens"], strict=True)
         )
         self.step_detail.object = (
-            f'<div class="ss-formula" id="replay-step"><b>step {step}</b>: '
+            f'<div class="ss-formula" id="replay-step"><b>{name}</b>: '
             f"{int_text(r.num_decode_tokens)} decode + {int_text(r.num_prefill_tokens)} prefill of "
             f"{int_text(r.token_budget)}; KV free {int_text(r.kv_free_before)} → "
             f"{int_text(r.kv_free_after)} of {int_text(r.kv_total_blocks)}; running "

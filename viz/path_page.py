@@ -14,6 +14,7 @@ import pandas as pd
 import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Span
 
+from stepscope.traces import queries
 from stepscope.traces.names import RequestEvent
 from stepscope.viz.request_path import (
     STAGES,
@@ -238,9 +239,13 @@ class RequestPathPage:
             label=[f"preempted at {x:.2f} ms: blocks freed, recomputed later" for x in cuts],
         )
         num_steps = occ.loc[occ["stage"] == 4, "step"].nunique()
+        # With data parallelism: the rank the request was sent to (its steps are that rank's).
+        several = len(queries.dp_ranks(self.source)) > 1
+        rank = [("req-dp-rank", "DP rank", int_text(request.get("dp_rank")))] if several else []
         self.header.object = cards(
             [
                 ("req-id", "request", request_id),
+                *rank,
                 (
                     "req-tokens",
                     "prompt / output tokens",

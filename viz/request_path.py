@@ -83,7 +83,7 @@ OCCURRENCE_COLUMNS = ["stage", "name", "start_ns", "end_ns", "step", "rank", "de
 _STEP_PHASES = f"""
 WITH served AS (
     SELECT DISTINCT s.trace_id, s.step
-    FROM step_requests sr JOIN steps s ON s.step = sr.step AND s.start_ns = sr.start_ns
+    FROM step_requests sr JOIN steps s ON {queries.STEP_JOIN}
     WHERE sr.request_id = $1
 )
 SELECT sp.name, served.step, sp.start_ns, sp.end_ns, sp.rank

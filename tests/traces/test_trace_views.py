@@ -226,6 +226,9 @@ def test_summary_counts_spans_and_crossings(store):
     crossings = tables["crossings"]
     assert len(crossings) == 8  # four boundaries x two sides
     assert int(tables["steps"]["steps"][0]) == 2
+    ranks = tables["ranks"]  # one DP rank: one row
+    assert list(ranks["dp_rank"]) == [0] and list(ranks["steps"]) == [2]
+    assert list(ranks["requests"]) == [3]
     assert list(tables["latency"]["metric"]) == ["queue_time_s", "ttft_s", "e2e_s", "step_s"]
 
 
@@ -234,6 +237,7 @@ def test_cli_prints_summary_and_request(run_file, capsys):
     cli.trace_summary(run_file, out=out)
     text = out.getvalue()
     assert n.ENGINE_STEP in text and n.ENGINE_CORE_TO_WORKER in text and "ttft_s" in text
+    assert "work per DP rank" not in text and "dp_rank" not in text  # one DP rank
 
     out = io.StringIO()
     assert cli.trace_request(run_file, "r1", out=out) == 0

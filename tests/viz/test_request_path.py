@@ -126,6 +126,9 @@ def test_app_pages_read_the_trace(source, trace_db):
     assert "eng-requests" in engine.summary.object
     lanes = set(engine.lane_bars.data["lane"])
     assert lanes == {"engine core", "worker 0", "worker 1"}
+    # One DP rank: no rank table, lines, selector or column (tests/viz/test_engine_page_ranks.py).
+    assert not engine.rank_box.visible and not engine.rank_select.visible
+    assert "dp_rank" not in table.columns
     boundaries = set(engine.lane_links.data["boundary"])
     assert boundaries == {
         n.API_TO_ENGINE_CORE,

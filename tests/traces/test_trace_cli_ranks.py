@@ -1,0 +1,124 @@
+"""A real data-parallel run's trace (two engine-core processes, DP ranks 0 and 1): the summary's
+work per rank, and a request's steps and crossings read on its own rank (step indexes count per
+rank, so both ranks have a step 0)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from stepscope.traces import cli, queries
+from stepscope.traces.store import TraceStore
+
+PROMPTS = [f"Prompt {i}: tell me about scheduling " * (1 + i % 3) for i in range(8)]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def dp2_trace(tmp_path_factory) -> str:
+    """tiny-llama with data_parallel_size=2 (in-process executor in each engine core)."""
+    from stepscope.engine.entrypoints.llm import LLM
+    from stepscope.engine.sampling_params import SamplingParams
+
+    path = tmp_path_factory.mktemp("dp2") / "dp2.duckdb"
+    llm = LLM(
+        model="tiny-llama",
+        num_kv_blocks=64,
+        max_num_batched_tokens=32,
+        data_parallel_size=2,
+        executor="uni",
+        trace_db=path,
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return str(path)
+
+
+@pytest.fixture
+def store(dp2_trace) -> TraceStore:
+    store = TraceStore(dp2_trace, read_only=True)
+    yield store
+    store.close()
+
+
+def test_both_ranks_ran_a_step_0(store):
+    steps = store.df("SELECT dp_rank, step FROM steps WHERE step = 0 ORDER BY dp_rank")
+    assert list(steps["dp_rank"]) == [0, 1]
+    assert queries.dp_ranks(store) == [0, 1]
+
+
+def test_summary_has_one_row_per_rank_that_adds_up(store):
+    tables = queries.summary(store)
+    ranks = tables["ranks"]
+    assert list(ranks["dp_rank"]) == [0, 1]
+    assert ranks["requests"].sum() == len(PROMPTS) and (ranks["requests"] > 0).all()
+    assert ranks["output_tokens"].sum() == len(PROMPTS) * MAX_TOKENS
+    routed = store.df("SELECT dp_rank, count(*) AS n, sum(input_tokens) AS tokens FROM requests "
+                      "GROUP BY dp_rank ORDER BY dp_rank")  # fmt: skip
+    assert list(ranks["requests"]) == list(routed["n"])
+    assert list(ranks["input_tokens"]) == list(routed["tokens"])
+    assert ranks["steps"].sum() == tables["steps"]["steps"][0]
+    assert ranks["preemptions"].sum() == tables["steps"]["preemptions"][0]
+    assert ranks["max_running"].max() == tables["steps"]["max_running"][0]
+    assert ((ranks["mean_budget_used"] > 0) & (ranks["mean_budget_used"] <= 1)).all()
+    assert (ranks["mean_step_ms"] > 0).all()
+    assert (ranks["p50_ttft_ms"] <= ranks["p99_ttft_ms"]).all()
+
+
+def test_cli_prints_work_per_dp_rank(dp2_trace):
+    out = io.StringIO()
+    cli.trace_summary(dp2_trace, out=out)
+    text = out.getvalue()
+    assert "work per DP rank" in text and "engine steps (all DP ranks)" in text
+    table = text.split("work per DP rank")[1].split("\n\n")[0].splitlines()[1:]
+    assert table[0].split()[:3] == ["dp_rank", "requests", "output_tokens"]
+    rows = [line.split() for line in table[1:]]
+    assert [r[0] for r in rows] == ["0", "1"]
+    assert sum(int(r[1]) for r in rows) == len(PROMPTS)
+    latest = text.split("latest requests")[1].splitlines()[1]
+    assert latest.split()[-1] == "dp_rank"
+
+
+def test_request_steps_are_its_own_ranks(store, dp2_trace):
+    requests = store.df("SELECT request_id, dp_rank FROM requests")
+    for rid, dp_rank in zip(requests["request_id"], requests["dp_rank"], strict=True):
+        path = queries.request_path(store, rid)
+        served = store.df(
+            "SELECT step, start_ns FROM step_requests WHERE request_id = $1 ORDER BY start_ns",
+            [rid],
+        )
+        assert list(path.steps["start_ns"]) == list(served["start_ns"])
+        assert set(path.steps["dp_rank"]) == {dp_rank}
+        assert set(path.crossings["dp_rank"]) == {dp_rank}
+        timings = queries.request_timings(store, rid)
+        assert timings["num_steps"] == len(served) and timings["dp_rank"] == dp_rank
+    rid = requests["request_id"][requests["dp_rank"] == 1].iloc[0]
+    out = io.StringIO()
+    assert cli.trace_request(dp2_trace, rid, out=out) == 0
+    assert out.getvalue().splitlines()[0].endswith("DP rank 1")
+
+
+def test_single_rank_trace_prints_no_rank_table(tmp_path: Path):
+    from stepscope.traces import names as n
+
+    path = tmp_path / "one.duckdb"
+    with TraceStore(path) as store:
+        store.insert_spans(
+            [
+                {"trace_id": "a" * 32, "span_id": f"{i:016x}", "name": n.ENGINE_STEP,
+                 "service_name": n.SERVICE_ENGINE_CORE, "start_ns": i * 10, "end_ns": i * 10 + 5,
+                 "attributes": {n.STEP: i, n.TOKEN_BUDGET: 8, n.NUM_DECODE_TOKENS: 2}}
+                for i in range(3)
+            ]
+        )  # fmt: skip
+    out = io.StringIO()
+    cli.trace_summary(str(path), out=out)
+    text = out.getvalue()
+    assert "work per DP rank" not in text and "dp_rank" not in text
+    with TraceStore(path, read_only=True) as store:
+        assert list(queries.summary(store)["ranks"]["steps"]) == [3]
