@@ -53,6 +53,8 @@ class EngineConfig:
     # workers; `data_parallel_rank` is the one a core process is (0 in the API process).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Its index among the ranks on its own machine (which GPUs it takes).
+    data_parallel_rank_local: int = 0
     # Tracing: where every process sends its spans (the collector's URL), and which steps record.
     collector_endpoint: str | None = None
     otlp_endpoint: str | None = None

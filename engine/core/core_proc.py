@@ -303,6 +303,15 @@ def run_engine_core(
     # SIGTERM unwinds the main thread through the `finally` below, which stops the workers.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     watch_parent(parent_pid)  # SIGTERM: the same unwinding as a clean stop
+    if config.device.startswith("cuda") and config.data_parallel_rank_local:
+        # Each DP rank on this machine takes its own TP-size run of GPUs.
+        import dataclasses
+
+        import torch
+
+        base = torch.device(config.device).index or 0
+        first = base + config.data_parallel_rank_local * config.tensor_parallel_size
+        config = dataclasses.replace(config, device=f"cuda:{first}")
     if config.executor == "uni" and config.device == "cpu":
         import torch
 

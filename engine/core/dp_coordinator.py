@@ -63,7 +63,9 @@ def run_coordinator(args: CoordinatorArgs) -> None:
     last_publish = 0.0
     try:
         while True:
-            wait_s = max(0.0, last_publish + PUBLISH_INTERVAL_S - time.monotonic())
+            # Sleep until the next publish is due: soon after a change, else at the heartbeat.
+            interval = PUBLISH_INTERVAL_S if changed else HEARTBEAT_S
+            wait_s = max(0.0, min(last_publish + interval - time.monotonic(), 0.5))
             if stats.poll(int(wait_s * 1000) + 1):
                 while True:  # drain: only the latest load of each rank matters
                     try:

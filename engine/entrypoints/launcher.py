@@ -229,8 +229,8 @@ def run_headless(args: argparse.Namespace, engine_args: dict) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda signum, frame: stopping.append(signum))
     procs = {
-        rank: start_core_process(config, model_dir, rank, handshake, f"tcp://{me}:*")
-        for rank in ranks
+        rank: start_core_process(config, model_dir, rank, handshake, f"tcp://{me}:*", local)
+        for local, rank in enumerate(ranks)
     }
     print(
         f"stepscope: headless: engine cores of DP ranks {list(ranks)} (pids "

@@ -247,9 +247,9 @@ class EngineGroup:
                 CoordinatorArgs(self.size, coordinator_addr, self.publish_addr, os.getpid()),
             )
             self._coordinators.append(self.coordinator)
-        for rank in local_ranks:
+        for local, rank in enumerate(local_ranks):
             self.procs[rank] = start_core_process(
-                config, model_dir, rank, handshake_addr, f"ipc://{self._dir}/core-{rank}"
+                config, model_dir, rank, handshake_addr, f"ipc://{self._dir}/core-{rank}", local
             )
         self.ready: list[EngineCoreReady | None] = [None] * self.size
         answer = msgspec.msgpack.encode(CoreAddresses(output_addrs, coordinator_addr))
@@ -360,13 +360,22 @@ def _stop_group(procs: dict, coordinator: list, folder: str, ctx: zmq.Context) -
 
 
 def start_core_process(
-    config: EngineConfig, model_dir: Path, rank: int, handshake_addr: str, input_bind: str
+    config: EngineConfig,
+    model_dir: Path,
+    rank: int,
+    handshake_addr: str,
+    input_bind: str,
+    local_index: int = 0,
 ) -> subprocess.Popen:
-    """One engine-core process for DP rank `rank`; it registers at `handshake_addr`."""
+    """One engine-core process for DP rank `rank` (the `local_index`-th on this machine); it
+    registers at `handshake_addr`."""
+    rank_config = dataclasses.replace(
+        config, data_parallel_rank=rank, data_parallel_rank_local=local_index
+    )
     return _spawn(
         "stepscope.engine.core.core_proc",
         CoreProcArgs(
-            config=dataclasses.asdict(dataclasses.replace(config, data_parallel_rank=rank)),
+            config=dataclasses.asdict(rank_config),
             model_dir=str(model_dir),
             handshake_addr=handshake_addr,
             input_bind=input_bind,
