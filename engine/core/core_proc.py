@@ -120,15 +120,20 @@ class EngineCoreProc:
             load_sock.connect(self._coordinator_addr)
         encoder = msgspec.msgpack.Encoder()
         rank = self._rank_frame
+        load_sent = time.monotonic()
         while True:
             try:
                 item = self.output_queue.get(timeout=LOAD_HEARTBEAT_S)
             except queue.Empty:
-                if load_sock is not None:
-                    load_sock.send(encoder.encode(self._last_load))
-                continue
+                item = ()
+            # The heartbeat goes out on time whether outputs flow or not.
+            if load_sock is not None and time.monotonic() - load_sent >= LOAD_HEARTBEAT_S:
+                load_sock.send(encoder.encode(self._last_load))
+                load_sent = time.monotonic()
             if item is None:
                 break
+            if not item:
+                continue
             kind, client, msg = item
             if kind == OutputKind.OUTPUTS:
                 sock = socks[client]
@@ -143,6 +148,7 @@ class EngineCoreProc:
             elif kind == _LOAD:
                 if load_sock is not None:
                     load_sock.send(encoder.encode(msg))
+                    load_sent = time.monotonic()
             elif kind == OutputKind.DEAD:  # every API server must hear it
                 for sock in socks:
                     sock.send_multipart([kind, rank, encoder.encode(msg)])
