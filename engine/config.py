@@ -53,8 +53,10 @@ class EngineConfig:
     # workers; `data_parallel_rank` is the one a core process is (0 in the API process).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
-    # Its index among the ranks on its own machine (which GPUs it takes).
+    # Its index among the ranks on its own machine (which GPUs it takes), and how many ranks
+    # that machine runs (they share its cores and memory; default: every rank).
     data_parallel_rank_local: int = 0
+    data_parallel_size_local: int | None = None
     # Tracing: where every process sends its spans (the collector's URL), and which steps record.
     collector_endpoint: str | None = None
     otlp_endpoint: str | None = None
@@ -124,12 +126,17 @@ class EngineConfig:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
 
     @property
+    def local_data_parallel_size(self) -> int:
+        """DP ranks on this machine."""
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    @property
     def cpu_threads_per_process(self) -> int:
         """Torch threads for one compute process on CPU: the cores shared evenly by every
         process that runs a forward pass (DP ranks x TP workers)."""
         import os
 
-        processes = self.data_parallel_size * self.tensor_parallel_size
+        processes = self.local_data_parallel_size * self.tensor_parallel_size
         return max(1, len(os.sched_getaffinity(0)) // processes)
 
     @property

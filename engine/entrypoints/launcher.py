@@ -229,7 +229,9 @@ def run_headless(args: argparse.Namespace, engine_args: dict) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda signum, frame: stopping.append(signum))
     procs = {
-        rank: start_core_process(config, model_dir, rank, handshake, f"tcp://{me}:*", local)
+        rank: start_core_process(
+            config, model_dir, rank, handshake, f"tcp://{me}:*", local, len(ranks)
+        )
         for local, rank in enumerate(ranks)
     }
     print(

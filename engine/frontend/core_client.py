@@ -249,7 +249,13 @@ class EngineGroup:
             self._coordinators.append(self.coordinator)
         for local, rank in enumerate(local_ranks):
             self.procs[rank] = start_core_process(
-                config, model_dir, rank, handshake_addr, f"ipc://{self._dir}/core-{rank}", local
+                config,
+                model_dir,
+                rank,
+                handshake_addr,
+                f"ipc://{self._dir}/core-{rank}",
+                local,
+                len(local_ranks),
             )
         self.ready: list[EngineCoreReady | None] = [None] * self.size
         answer = msgspec.msgpack.encode(CoreAddresses(output_addrs, coordinator_addr))
@@ -366,11 +372,15 @@ def start_core_process(
     handshake_addr: str,
     input_bind: str,
     local_index: int = 0,
+    local_size: int | None = None,
 ) -> subprocess.Popen:
-    """One engine-core process for DP rank `rank` (the `local_index`-th on this machine); it
-    registers at `handshake_addr`."""
+    """One engine-core process for DP rank `rank`, the `local_index`-th of `local_size` on this
+    machine; it registers at `handshake_addr`."""
     rank_config = dataclasses.replace(
-        config, data_parallel_rank=rank, data_parallel_rank_local=local_index
+        config,
+        data_parallel_rank=rank,
+        data_parallel_rank_local=local_index,
+        data_parallel_size_local=local_size,
     )
     return _spawn(
         "stepscope.engine.core.core_proc",

@@ -231,3 +231,22 @@ def test_bad_scale_out_arguments_exit_2_with_a_clear_message(args, message) -> N
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_stopping_the_head_stops_the_headless_machine_too(process_tree) -> None:
+    port, rpc = free_port(), free_port()
+    dist = ["--dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address",
+            "127.0.0.1", "--data-parallel-rpc-port", str(rpc), "--no-trace"]  # fmt: skip
+    head = _start(process_tree, *SMALL, *dist, "--port", str(port))
+    headless = _start(process_tree, *SMALL, *dist, "--headless", "--data-parallel-start-rank", "1")
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url)
+    assert len(asyncio.run(_complete(url, 4))) == 4
+    pids = [p["pid"] for p in _processes(url)] + [headless.pid]
+    head.send_signal(signal.SIGINT)
+    assert head.wait(60) == 0
+    # The head told every engine core, the remote one too, to shut down; the headless
+    # launcher ends with its engine cores.
+    assert headless.wait(30) == 0
+    assert "engine cores stopped" in headless.stdout.read()
+    assert _wait_gone(pids) == []
