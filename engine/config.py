@@ -57,6 +57,13 @@ class EngineConfig:
     # that machine runs (they share its cores and memory; default: every rank).
     data_parallel_rank_local: int = 0
     data_parallel_size_local: int | None = None
+    # Tensor parallelism across machines: `nnodes` machines hold `tensor_parallel_size / nnodes`
+    # workers each; node 0 runs the engine core, the others only workers (`serve --headless`).
+    # The workers' sockets and torch.distributed's rendezvous are at master_addr:master_port+.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     # Tracing: where every process sends its spans (the collector's URL), and which steps record.
     collector_endpoint: str | None = None
     otlp_endpoint: str | None = None
@@ -115,6 +122,25 @@ class EngineConfig:
                 f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
                 f"got {self.data_parallel_rank}"
             )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"nnodes must be >= 1 and node_rank in [0, nnodes), got {self.nnodes} and "
+                f"{self.node_rank}"
+            )
+        if self.nnodes > 1:
+            if self.tensor_parallel_size % self.nnodes:
+                raise ValueError(
+                    f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
+                    f"nnodes {self.nnodes}: every machine holds the same number of workers"
+                )
+            if self.executor != "mp" or self.data_parallel_size != 1:
+                raise ValueError(
+                    "tensor parallelism across machines (nnodes > 1) needs executor='mp' and "
+                    "one DP rank; to add DP ranks on other machines use --headless with "
+                    "--data-parallel-size-local"
+                )
+            if self.master_port is None:
+                raise ValueError("nnodes > 1 needs master_port (--master-port)")
         from stepscope.traces.setup import TraceSampling
 
         TraceSampling(self.trace_steps)  # raises ValueError on a malformed --trace-steps
@@ -124,6 +150,11 @@ class EngineConfig:
             )
         if self.attention_backend is None:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
+    def tensor_parallel_size_local(self) -> int:
+        """TP workers on this machine."""
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def local_data_parallel_size(self) -> int:
@@ -136,7 +167,7 @@ class EngineConfig:
         process that runs a forward pass (DP ranks x TP workers)."""
         import os
 
-        processes = self.local_data_parallel_size * self.tensor_parallel_size
+        processes = self.local_data_parallel_size * self.tensor_parallel_size_local
         return max(1, len(os.sched_getaffinity(0)) // processes)
 
     @property

@@ -208,7 +208,10 @@ class EngineCoreProc:
                 kind, msg = self.input_queue.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
                 if block:
-                    continue  # idle: keep waiting (shutdown arrives as a message)
+                    # Idle: keep waiting (shutdown arrives as a message), but notice a worker
+                    # that died meanwhile (this raises, and the loop ends as on a failed step).
+                    self.core.executor.check_health()
+                    continue
                 return
             block = False
             self._handle(kind, msg)

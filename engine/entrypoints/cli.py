@@ -138,6 +138,29 @@ def build_parser() -> argparse.ArgumentParser:
         "with the head at --data-parallel-address; no API server",
     )
     scale.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines one engine's TP workers are spread over (--tp is the total)",
+    )
+    scale.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's index among --nnodes (0: the engine core's; others: --headless)",
+    )
+    scale.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="node 0's address: the workers' sockets and torch.distributed's rendezvous",
+    )
+    scale.add_argument(
+        "--master-port",
+        type=int,
+        default=29500,
+        help="torch.distributed's port on node 0 (the workers' sockets take the next two)",
+    )
+    scale.add_argument(
         "--engine-ready-timeout",
         type=float,
         default=600.0,

@@ -83,9 +83,27 @@ def check_scale_out_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--engine-ready-timeout must be positive, got {args.engine_ready_timeout}"
         )
+    if args.nnodes > 1 and args.dp != 1:
+        raise ValueError(
+            "--nnodes spreads one engine's TP workers over machines and needs --dp 1; for DP "
+            "ranks on other machines use --data-parallel-size-local and --headless"
+        )
+    if args.headless and args.nnodes > 1:
+        if args.node_rank < 1:
+            raise ValueError(
+                "--headless --nnodes runs the workers of node 1 or later (--node-rank)"
+            )
+        if args.api_server_count != 1 or args.trace_db or args.dashboard_port is not None:
+            raise ValueError(
+                "--headless runs no API server and no collector: drop --api-server-count, "
+                "--trace-db and --dashboard-port (send spans to the head with --otlp-endpoint)"
+            )
+        return
     if not args.headless:
         if start != 0:
             raise ValueError("--data-parallel-start-rank is for --headless machines")
+        if args.node_rank != 0:
+            raise ValueError("--node-rank > 0 is a workers-only machine: add --headless")
         return
     if local is None or local < 1:
         raise ValueError("--headless needs --data-parallel-size-local L >= 1: the ranks it runs")
@@ -218,9 +236,19 @@ def address_towards(host: str) -> str:
 
 
 def run_headless(args: argparse.Namespace, engine_args: dict) -> None:
-    """Run this machine's DP ranks until the head shuts them down, one dies, or a signal."""
+    """Run this machine's DP ranks (or, with --nnodes, its TP workers) until the head shuts them
+    down, one dies, or a signal."""
     config = EngineConfig(model=args.model, offline=False, **engine_args)
     model_dir = resolve_model(args.model)
+    if config.nnodes > 1:
+        from stepscope.engine.executor.multiproc_executor import run_worker_node
+
+        code = run_worker_node(config, model_dir)
+        if code:
+            raise SystemExit(f"stepscope: headless: the TP workers of node {config.node_rank} "
+                             "stopped after a failure or a signal")  # fmt: skip
+        print("stepscope: headless: TP workers stopped", flush=True)
+        return
     handshake = f"tcp://{args.data_parallel_address}:{args.data_parallel_rpc_port}"
     me = address_towards(args.data_parallel_address)
     ranks = range(args.data_parallel_start_rank,

@@ -47,6 +47,10 @@ def serve(args: argparse.Namespace) -> None:
         executor=args.executor,
         tensor_parallel_size=args.tp,
         data_parallel_size=args.dp,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port if args.nnodes > 1 else None,
         otlp_endpoint=args.otlp_endpoint,
         trace_steps=args.trace_steps,
     )

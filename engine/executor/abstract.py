@@ -36,6 +36,9 @@ class Executor(ABC):
         """(role, rank, pid) of each worker process this executor started."""
         return []
 
+    def check_health(self) -> None:  # noqa: B027 - an in-process worker cannot die apart
+        """Raise RuntimeError if a worker is gone; called by the idle busy loop, never blocks."""
+
     def flush_traces(self) -> None:
         """Export the spans the workers have ended so far."""
         flush_tracing()

@@ -80,8 +80,12 @@ STEP, CALL, STOP = b"step", b"call", b"stop"
 READY, OUTPUT, RESULT, ERROR = b"ready", b"output", b"result", b"error"
 # Worker methods the core may call on every rank; anything else is refused.
 UTILITY_METHODS = frozenset({"determine_num_kv_blocks", "init_kv_cache", "flush_traces"})
+HEARTBEAT = b"beat"  # a worker machine's launcher, every HEARTBEAT_S (header: node rank)
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 5.0
+POLL_MS = 200
+HEARTBEAT_S = 0.5
+NODE_TIMEOUT_S = 3.0
 
 
 def _describe_exit(code: int | None) -> str:
@@ -97,17 +101,17 @@ class _WorkerGroup:
     """The worker processes, sockets and socket dir: what must be released, and nothing that
     refers back to the executor, so that it can be finalized at interpreter exit."""
 
-    def __init__(self, tmp_dir: str) -> None:
+    def __init__(self, tmp_dir: str, bcast_addr: str, results_addr: str) -> None:
         self.tmp_dir = tmp_dir
         self.zmq_ctx = zmq.Context()
         self.bcast = self.zmq_ctx.socket(zmq.XPUB)
         self.bcast.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per worker
         self.bcast.setsockopt(zmq.SNDHWM, 0)  # never drop a step
         self.bcast.setsockopt(zmq.LINGER, 0)
-        self.bcast.bind(f"ipc://{tmp_dir}/bcast")
+        self.bcast.bind(bcast_addr)
         self.results = self.zmq_ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
-        self.results.bind(f"ipc://{tmp_dir}/results")
+        self.results.bind(results_addr)
         self.procs: list[BaseProcess] = []
         self.closed = False
 
@@ -147,10 +151,22 @@ class MultiprocExecutor(Executor):
                 f"heads and {kv_heads} KV heads, got {tp}"
             )
         self.world_size = tp
+        self.nnodes, self.master_addr, self.master_port = (
+            config.nnodes,
+            config.master_addr,
+            config.master_port,
+        )
+        self.ready_timeout = READY_TIMEOUT_S
         self._failure: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
-        self._group = _WorkerGroup(tempfile.mkdtemp(prefix="stepscope-executor-"))
+        tmp_dir = tempfile.mkdtemp(prefix="stepscope-executor-")
+        self.addresses = worker_addresses(config, tmp_dir)
+        # This machine's ranks (node 0 of `nnodes`); the others start with `serve --headless`.
+        self.local_ranks = range(config.tensor_parallel_size_local)
+        self.remote_pids: dict[int, int] = {}  # rank -> pid, of workers on other machines
+        self._node_beats: dict[int, float] = {}  # node rank -> last heartbeat
+        self._group = _WorkerGroup(tmp_dir, self.addresses.bcast, self.addresses.results)
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         try:
             self._start_workers(config, Path(model_dir))
@@ -165,27 +181,9 @@ class MultiprocExecutor(Executor):
 
     # ---- start-up --------------------------------------------------------------------------------
     def _start_workers(self, config: EngineConfig, model_dir: Path) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        g = self._group
-        config_bytes = msgspec.msgpack.encode(config)
-        dist_init = f"tcp://127.0.0.1:{free_port()}"
-        for rank in range(self.world_size):
-            proc = spawn.Process(
-                target=_worker_main,
-                name=f"stepscope-worker-{rank}",
-                args=(
-                    config_bytes,
-                    str(model_dir),
-                    rank,
-                    self.world_size,
-                    dist_init,
-                    g.tmp_dir,
-                    os.getpid(),
-                ),
-                daemon=True,
-            )
-            proc.start()
-            g.procs.append(proc)
+        self._group.procs.extend(
+            start_workers(config, model_dir, self.local_ranks, self.addresses, self._group.tmp_dir)
+        )
 
     def _wait_ready(self) -> None:
         """Every rank reports ready (or its start-up error) and subscribes to the broadcast."""
@@ -197,13 +195,23 @@ class MultiprocExecutor(Executor):
             poller.register(p.sentinel, zmq.POLLIN)
         ready: set[int] = set()
         subscribed = 0
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + self.ready_timeout
         while len(ready) < self.world_size or subscribed < self.world_size:
             left = deadline - time.monotonic()
             if left <= 0:
+                missing = sorted(set(range(self.world_size)) - ready)
+                remote = [r for r in missing if r not in self.local_ranks]
+                hint = (
+                    f"; ranks {remote} belong to other machines: start `stepscope serve "
+                    f"--headless --nnodes {self.nnodes} --node-rank N --master-addr "
+                    f"{self.master_addr} --master-port {self.master_port} --tp "
+                    f"{self.world_size} ...` there"
+                    if remote
+                    else ""
+                )
                 raise RuntimeError(
-                    f"workers {sorted(set(range(self.world_size)) - ready)} did not report ready "
-                    f"within {READY_TIMEOUT_S:.0f} s"
+                    f"workers {missing} did not report ready within {self.ready_timeout:.0f} s"
+                    + hint
                 )
             events = dict(poller.poll(left * 1000))
             if g.bcast in events:
@@ -213,11 +221,16 @@ class MultiprocExecutor(Executor):
             if g.results in events:
                 kind, header, payload = g.results.recv_multipart()
                 rank, _ = msgspec.msgpack.decode(header)
+                if kind == HEARTBEAT:
+                    self._node_beats[rank] = time.monotonic()
+                    continue
                 if kind == ERROR:
                     raise RuntimeError(
-                        f"worker rank {rank} (pid {g.procs[rank].pid}) failed to start:\n"
+                        f"worker rank {rank} ({self._where(rank)}) failed to start:\n"
                         + payload.decode(errors="replace")
                     )
+                if rank not in self.local_ranks:
+                    self.remote_pids[rank] = msgspec.msgpack.decode(payload)
                 ready.add(rank)
                 continue
             for rank, p in enumerate(g.procs):
@@ -277,12 +290,26 @@ class MultiprocExecutor(Executor):
         self.collective_rpc("flush_traces")
 
     def processes(self) -> list[tuple[str, int, int]]:
-        """(role, rank, pid) of every worker process."""
-        return [("worker", rank, p.pid) for rank, p in enumerate(self._group.procs)]
+        """(role, rank, pid) of every worker process (pids of other machines as they said)."""
+        local = [
+            ("worker", rank, p.pid)
+            for rank, p in zip(self.local_ranks, self._group.procs, strict=True)
+        ]
+        return local + [("worker", rank, pid) for rank, pid in sorted(self.remote_pids.items())]
 
     def check_health(self) -> None:
-        """Raise RuntimeError if the executor failed or a worker has died; never blocks."""
+        """Raise RuntimeError if the executor failed or a worker has died; never blocks. Between
+        steps this is also where other machines' heartbeats are read."""
         self._check_usable()
+        g = self._group
+        while g.results.poll(0):
+            kind, header, payload = g.results.recv_multipart()
+            rank, _ = msgspec.msgpack.decode(header)
+            if kind == HEARTBEAT:
+                self._node_beats[rank] = time.monotonic()
+            elif kind == ERROR:
+                self._fail_from_error(rank, payload.decode(errors="replace"))
+        self._check_nodes()
         for rank, p in enumerate(self._group.procs):
             if p.exitcode is not None:
                 self._fail(self._death_message(rank, p))
@@ -304,10 +331,14 @@ class MultiprocExecutor(Executor):
         """Next reply from any rank; a worker error or death raises instead of hanging."""
         g = self._group
         while True:
-            events = dict(self._poller.poll(1000))
+            events = dict(self._poller.poll(POLL_MS))
+            self._check_nodes()
             if g.results in events:
                 kind, header, payload = g.results.recv_multipart()
                 rank, seconds = msgspec.msgpack.decode(header)
+                if kind == HEARTBEAT:
+                    self._node_beats[rank] = time.monotonic()
+                    continue
                 if kind == ERROR:
                     self._fail_from_error(rank, payload.decode(errors="replace"))
                 return kind, rank, seconds, payload
@@ -317,6 +348,22 @@ class MultiprocExecutor(Executor):
                     # kernel can report its exit status.
                     p.join(1.0)
                     self._fail(self._death_message(rank, p))
+
+    def _check_nodes(self) -> None:
+        """Workers on other machines: their node's heartbeat must keep coming."""
+        now = time.monotonic()
+        for node, beat in self._node_beats.items():
+            if now - beat > NODE_TIMEOUT_S:
+                self._fail(
+                    f"node {node} (workers on another machine) sent no heartbeat for "
+                    f"{NODE_TIMEOUT_S:.0f} s: its machine or its `stepscope serve --headless` "
+                    "is gone; this executor can no longer run steps"
+                )
+
+    def _where(self, rank: int) -> str:
+        if rank in self.local_ranks:
+            return f"pid {self._group.procs[rank].pid}"
+        return f"on node {rank // len(self.local_ranks)}"
 
     def _death_message(self, rank: int, p: BaseProcess) -> str:
         return (
@@ -335,8 +382,7 @@ class MultiprocExecutor(Executor):
             p.join(1.0)
             if p.exitcode is not None and p.exitcode < 0:
                 self._fail(f"{self._death_message(r, p)}; rank {rank} then failed:\n{text}")
-        pid = self._group.procs[rank].pid
-        self._fail(f"worker rank {rank} (pid {pid}) failed:\n{text}")
+        self._fail(f"worker rank {rank} ({self._where(rank)}) failed:\n{text}")
 
     def _fail(self, message: str) -> None:
         self._failure = message
@@ -359,6 +405,112 @@ def _exit_when_parent_dies(parent_pid: int, socket_dir: str | None) -> None:
     watch_parent(parent_pid, exit_now)
 
 
+class WorkerAddresses(msgspec.Struct, array_like=True):
+    """Where the workers of one engine core meet it and each other."""
+
+    bcast: str  # the core's XPUB: steps and calls out to every rank
+    results: str  # the core's PULL: outputs, results, errors (and other machines' heartbeats)
+    dist_init: str  # torch.distributed's TCP rendezvous
+
+
+def worker_addresses(config: EngineConfig, tmp_dir: str | None = None) -> WorkerAddresses:
+    """ipc in `tmp_dir` with every worker on this machine; TCP at master_addr:master_port (+1,
+    +2 for the sockets) when some run on other machines."""
+    if config.nnodes > 1:
+        host, port = config.master_addr, config.master_port
+        assert port is not None
+        return WorkerAddresses(
+            f"tcp://{host}:{port + 1}", f"tcp://{host}:{port + 2}", f"tcp://{host}:{port}"
+        )
+    return WorkerAddresses(
+        f"ipc://{tmp_dir}/bcast", f"ipc://{tmp_dir}/results", f"tcp://127.0.0.1:{free_port()}"
+    )
+
+
+def start_workers(
+    config: EngineConfig,
+    model_dir: Path,
+    ranks: range,
+    addresses: WorkerAddresses,
+    socket_dir: str | None,
+) -> list[BaseProcess]:
+    """One spawned worker process per rank in `ranks` (this machine's)."""
+    spawn = multiprocessing.get_context("spawn")
+    config_bytes = msgspec.msgpack.encode(config)
+    procs = []
+    for rank in ranks:
+        proc = spawn.Process(
+            target=_worker_main,
+            name=f"stepscope-worker-{rank}",
+            args=(
+                config_bytes,
+                str(model_dir),
+                rank,
+                config.tensor_parallel_size,
+                addresses,
+                socket_dir,
+                os.getpid(),
+            ),  # fmt: skip
+            daemon=True,
+        )
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def run_worker_node(config: EngineConfig, model_dir: Path) -> int:
+    """`stepscope serve --headless --nnodes N --node-rank R ...`: this machine's share of the
+    TP workers of an engine core on node 0. They connect to its sockets; this process sends the
+    node's heartbeat there, reports a worker that dies, and returns (0) once every worker has
+    stopped (the core broadcast STOP), or 1 after a failure or a signal."""
+    local = config.tensor_parallel_size_local
+    ranks = range(config.node_rank * local, (config.node_rank + 1) * local)
+    addresses = worker_addresses(config)
+    stopping: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda signum, frame: stopping.append(signum))
+    procs = start_workers(config, model_dir, ranks, addresses, None)
+    ctx = zmq.Context()
+    beat = ctx.socket(zmq.PUSH)
+    beat.setsockopt(zmq.LINGER, 2000)
+    beat.connect(addresses.results)
+    header = msgspec.msgpack.encode((config.node_rank, 0.0))
+    print(
+        f"stepscope: headless: TP workers {list(ranks)} of node {config.node_rank} (pids "
+        f"{[p.pid for p in procs]}) joining {addresses.bcast}",
+        flush=True,
+    )
+    code = 0
+    try:
+        while not stopping:
+            with contextlib.suppress(zmq.Again):
+                beat.send_multipart([HEARTBEAT, header, b""], zmq.NOBLOCK)
+            ended = [(r, p) for r, p in zip(ranks, procs, strict=True) if p.exitcode is not None]
+            if ended and len(ended) == len(procs) and all(p.exitcode == 0 for _, p in ended):
+                break  # the engine core stopped them
+            failed = [(r, p) for r, p in ended if p.exitcode != 0]
+            if failed:
+                rank, p = failed[0]
+                text = f"worker rank {rank} (pid {p.pid}) died ({_describe_exit(p.exitcode)})"
+                beat.send_multipart([ERROR, msgspec.msgpack.encode((rank, 0.0)), text.encode()])
+                code = 1
+                break
+            time.sleep(HEARTBEAT_S)
+        else:
+            code = 1
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in procs:
+            p.join(5.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join(2.0)
+        ctx.destroy(linger=2000)
+    return code
+
+
 def _build_worker(
     config: EngineConfig, model_dir: Path, rank: int, world_size: int, dist_init: str
 ) -> Worker:
@@ -368,7 +520,8 @@ def _build_worker(
 
     if config.device.startswith("cuda"):
         base = torch.device(config.device).index or 0
-        config = dataclasses.replace(config, device=f"cuda:{base + rank}")
+        local = rank % config.tensor_parallel_size_local  # its index on its own machine
+        config = dataclasses.replace(config, device=f"cuda:{base + local}")
     else:
         # Ranks share the cores: without this each would start one thread per core.
         torch.set_num_threads(config.cpu_threads_per_process)
@@ -380,7 +533,8 @@ def _build_worker(
             torch.cuda.set_device(torch.device(config.device))
             backend = "nccl"
         else:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
+            if config.nnodes == 1 or config.master_addr.startswith("127."):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
             backend = "gloo"
         dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size)
         all_reduce = dist.all_reduce  # in-place sum over the (only) tensor-parallel group
@@ -392,8 +546,8 @@ def _worker_main(
     model_dir: str,
     rank: int,
     world_size: int,
-    dist_init: str,
-    socket_dir: str,
+    addresses: WorkerAddresses,
+    socket_dir: str | None,
     parent_pid: int,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine core's to handle
@@ -401,10 +555,11 @@ def _worker_main(
     ctx = zmq.Context()
     bcast = ctx.socket(zmq.SUB)
     bcast.setsockopt(zmq.SUBSCRIBE, b"")
-    bcast.connect(f"ipc://{socket_dir}/bcast")
+    bcast.connect(addresses.bcast)
     results = ctx.socket(zmq.PUSH)
     results.setsockopt(zmq.LINGER, 5000)  # let a last error message reach the core
-    results.connect(f"ipc://{socket_dir}/results")
+    results.connect(addresses.results)
+    dist_init = addresses.dist_init
     encoder = msgspec.msgpack.Encoder()
 
     def reply(kind: bytes, payload: bytes, seconds: float = 0.0) -> None:
@@ -425,7 +580,7 @@ def _worker_main(
         reply(ERROR, traceback.format_exc().encode())
         ctx.destroy(linger=5000)
         os._exit(1)
-    reply(READY, b"")
+    reply(READY, encoder.encode(os.getpid()))
     step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     while True:
         kind, payload = bcast.recv_multipart()

@@ -101,7 +101,7 @@ class ModelRunner:
             avail = available_memory_bytes()
             budget = int(avail * fraction) if fraction else min(CPU_KV_CACHE_MAX_BYTES, avail // 4)
             # Every TP worker of every DP rank on this CPU shares this host's memory.
-            budget //= self.tp_size * self.config.local_data_parallel_size
+            budget //= self.config.tensor_parallel_size_local * self.config.local_data_parallel_size
         return max(budget // self.kv_block_bytes(), 1)
 
     def init_kv_cache(self, num_blocks: int) -> None:

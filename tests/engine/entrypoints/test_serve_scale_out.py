@@ -223,6 +223,9 @@ def test_a_headless_machine_that_never_registers_fails_the_head_clearly(process_
             "do not fit in --dp 2",
         ),  # fmt: skip
         (["--data-parallel-start-rank", "1"], "is for --headless"),
+        (["--nnodes", "2", "--tp", "2", "--dp", "2"], "needs --dp 1"),
+        (["--nnodes", "2", "--tp", "3"], "must be a multiple of nnodes 2"),
+        (["--nnodes", "2", "--tp", "2", "--node-rank", "1"], "add --headless"),
     ],
 )
 def test_bad_scale_out_arguments_exit_2_with_a_clear_message(args, message) -> None:
@@ -250,3 +253,48 @@ def test_stopping_the_head_stops_the_headless_machine_too(process_tree) -> None:
     assert headless.wait(30) == 0
     assert "engine cores stopped" in headless.stdout.read()
     assert _wait_gone(pids) == []
+
+
+def test_tp_across_two_machines_gives_the_tp1_text_and_fails_fast(process_tree) -> None:
+    from stepscope.engine import LLM, SamplingParams
+
+    prompts = ["Hello, my name is", "The capital of France is a city that"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model=MODEL, num_kv_blocks=64, max_num_batched_tokens=32) as llm:
+        expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    port, master = free_port(), free_port()
+    tp = ["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
+          str(master), "--no-trace"]  # fmt: skip
+    head = _start(process_tree, *SMALL, *tp, "--node-rank", "0", "--port", str(port))
+    node1 = _start(process_tree, *SMALL, *tp, "--node-rank", "1", "--headless")
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url)
+    procs = _processes(url)
+    workers = {p["rank"]: p["pid"] for p in procs if p["role"] == "worker"}
+    node1_pids = [c.pid for c in psutil.Process(node1.pid).children(recursive=True)]
+    assert sorted(workers) == [0, 1] and workers[1] in node1_pids and workers[0] not in node1_pids
+
+    async def complete() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        outs = [
+            await client.completions.create(
+                model=MODEL, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )  # fmt: skip
+            for p in prompts
+        ]
+        return [o.choices[0].text for o in outs]
+
+    assert asyncio.run(complete()) == expected
+
+    # The second machine goes away while the engine is idle: seen within 5 s by its heartbeat.
+    for pid in [node1.pid, *node1_pids]:
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+        assert time.monotonic() - killed < 5.0
+        time.sleep(0.1)
+    assert "node 1" in httpx.get(f"{url}/health", timeout=5).json()["error"]["message"]
+    head.send_signal(signal.SIGINT)
+    assert head.wait(60) == 0
+    assert _wait_gone([p["pid"] for p in procs]) == []
