@@ -19,20 +19,25 @@ SMALL = [
 
 
 def test_each_dtype_gets_its_roofline_tok_s_and_ratio() -> None:
+    # Without --force-dtype: where this CPU emulates bfloat16 (AVX2 only), a bfloat16 run takes
+    # many minutes; the benchmark then says so and runs float32 alone.
     out = subprocess.run(
-        [*CLI, "bench", "offline", *SMALL, "--dtype", "float32,bfloat16", "--force-dtype"],
+        [*CLI, "bench", "offline", *SMALL, "--dtype", "float32,bfloat16"],
         capture_output=True,
         text=True,
         timeout=900,
         check=True,
     ).stdout
-    for dtype in ("float32", "bfloat16"):
+    native = "bfloat16: skipped" not in out
+    if not native:
+        assert re.search(r"bfloat16: skipped: its matmul runs at [\d.]+ GFLOP/s, 0\.\d\dx", out)
+    for dtype in ("float32", "bfloat16") if native else ("float32",):
         assert re.search(rf"matmul roofline: [\d.]+ GFLOP/s \(2048\^3 {dtype}\)", out), out
         assert re.search(rf"stepscope \(uni, {dtype}\):.* output tok/s  MFU \d+%", out), out
         assert re.search(rf"transformers \({dtype}\):.* output tok/s", out), out
         assert re.search(rf"ratio stepscope / transformers \({dtype}\): [\d.]+x", out), out
     summary = out.split("--- summary")[1]
-    assert summary.count("ratio") == 2, summary
+    assert summary.count("ratio") == (2 if native else 1), summary
 
 
 def test_an_emulated_dtype_is_skipped_with_its_measured_rate(monkeypatch, capsys) -> None:
