@@ -163,7 +163,7 @@ class MultiprocExecutor(Executor):
         tmp_dir = tempfile.mkdtemp(prefix="stepscope-executor-")
         self.addresses = worker_addresses(config, tmp_dir)
         # This machine's ranks (node 0 of `nnodes`); the others start with `serve --headless`.
-        self.local_ranks = range(config.tensor_parallel_size_local)
+        self.local_ranks = range(tp // config.nnodes)
         self.remote_pids: dict[int, int] = {}  # rank -> pid, of workers on other machines
         self._node_beats: dict[int, float] = {}  # node rank -> last heartbeat
         self._group = _WorkerGroup(tmp_dir, self.addresses.bcast, self.addresses.results)
@@ -182,7 +182,14 @@ class MultiprocExecutor(Executor):
     # ---- start-up --------------------------------------------------------------------------------
     def _start_workers(self, config: EngineConfig, model_dir: Path) -> None:
         self._group.procs.extend(
-            start_workers(config, model_dir, self.local_ranks, self.addresses, self._group.tmp_dir)
+            start_workers(
+                config,
+                model_dir,
+                self.local_ranks,
+                self.world_size,
+                self.addresses,
+                self._group.tmp_dir,
+            )  # fmt: skip
         )
 
     def _wait_ready(self) -> None:
@@ -431,10 +438,11 @@ def start_workers(
     config: EngineConfig,
     model_dir: Path,
     ranks: range,
+    world_size: int,
     addresses: WorkerAddresses,
     socket_dir: str | None,
 ) -> list[BaseProcess]:
-    """One spawned worker process per rank in `ranks` (this machine's)."""
+    """One spawned worker process per rank in `ranks` (this machine's) of `world_size`."""
     spawn = multiprocessing.get_context("spawn")
     config_bytes = msgspec.msgpack.encode(config)
     procs = []
@@ -446,11 +454,11 @@ def start_workers(
                 config_bytes,
                 str(model_dir),
                 rank,
-                config.tensor_parallel_size,
+                world_size,
                 addresses,
                 socket_dir,
                 os.getpid(),
-            ),  # fmt: skip
+            ),
             daemon=True,
         )
         proc.start()
@@ -469,7 +477,7 @@ def run_worker_node(config: EngineConfig, model_dir: Path) -> int:
     stopping: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda signum, frame: stopping.append(signum))
-    procs = start_workers(config, model_dir, ranks, addresses, None)
+    procs = start_workers(config, model_dir, ranks, config.tensor_parallel_size, addresses, None)
     ctx = zmq.Context()
     beat = ctx.socket(zmq.PUSH)
     beat.setsockopt(zmq.LINGER, 2000)
@@ -518,6 +526,8 @@ def _build_worker(
 
     from stepscope.engine.worker.worker import Worker
 
+    # The group is what the executor was asked for (threads and the KV share follow from it).
+    config = dataclasses.replace(config, tensor_parallel_size=world_size, executor="mp")
     if config.device.startswith("cuda"):
         base = torch.device(config.device).index or 0
         local = rank % config.tensor_parallel_size_local  # its index on its own machine

@@ -223,7 +223,7 @@ def test_a_headless_machine_that_never_registers_fails_the_head_clearly(process_
             "do not fit in --dp 2",
         ),  # fmt: skip
         (["--data-parallel-start-rank", "1"], "is for --headless"),
-        (["--nnodes", "2", "--tp", "2", "--dp", "2"], "needs --dp 1"),
+        (["--nnodes", "2", "--tp", "2", "--dp", "2"], "one DP rank"),
         (["--nnodes", "2", "--tp", "3"], "must be a multiple of nnodes 2"),
         (["--nnodes", "2", "--tp", "2", "--node-rank", "1"], "add --headless"),
     ],
