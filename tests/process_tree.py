@@ -20,6 +20,22 @@ import psutil
 MARK = "STEPSCOPE_TEST_TREE"
 
 
+def pid_alive(pid: int) -> bool:
+    """The process runs (a zombie, dead but not yet reaped, does not count)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_pids_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    """Wait until none of `pids` runs; returns those still alive after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
 def marked(mark: str) -> list[psutil.Process]:
     """Every live process whose environment carries `MARK=mark`, except this one and its
     ancestors (a test session run inside a marked process, e.g. by the GPU check's dry run,

@@ -254,6 +254,21 @@ def _rank_table_html(table: pd.DataFrame) -> str:
     return f'<table class="ss-table" id="rank-table">{head}{"".join(rows)}</table>'
 
 
+def _step_markers() -> list[Span]:
+    """One dashed line per chart, hidden until the player marks a step on it."""
+    return [
+        Span(
+            location=0,
+            dimension="height",
+            line_color="#33414e",
+            line_width=1.5,
+            line_dash="dashed",
+            visible=False,
+        )
+        for _ in range(3)
+    ]
+
+
 class EnginePage:
     """Per-step budget, KV usage, queues and preemptions; a process timeline; latencies."""
 
@@ -289,17 +304,7 @@ class EnginePage:
             }
         )
         self.preempt_source = ColumnDataSource(dict(step=[], y=[], count=[]))
-        self.markers = [
-            Span(
-                location=0,
-                dimension="height",
-                line_color="#33414e",
-                line_width=1.5,
-                line_dash="dashed",
-                visible=False,
-            )
-            for _ in range(3)
-        ]
+        self.markers = _step_markers()
         self.tokens_fig = self._tokens_figure()
         self.kv_fig = self._kv_figure()
         self.queue_fig = self._queue_figure()
@@ -332,17 +337,7 @@ class EnginePage:
                 waiting=[],
             )
         )
-        self.rank_markers = [
-            Span(
-                location=0,
-                dimension="height",
-                line_color="#33414e",
-                line_width=1.5,
-                line_dash="dashed",
-                visible=False,
-            )
-            for _ in range(3)
-        ]
+        self.rank_markers = _step_markers()
         self.rank_figs = [
             self._rank_figure("Token budget used per step, per DP rank (%)", "budget", "% used"),
             self._rank_figure("KV blocks used after scheduling, per DP rank", "kv_used", "blocks"),

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +36,6 @@ from stepscope.engine.config import EngineConfig
 from stepscope.engine.frontend.core_client import (
     EngineGroup,
     EngineHandles,
-    remove_folder,
     start_core_process,
     stop_process,
 )
@@ -204,7 +204,7 @@ def launch(args: argparse.Namespace, engine_args: dict, name: str) -> None:
                 proc.wait()
         group.shutdown()
         listener.close()
-        remove_folder(folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,13 +170,6 @@ def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait(5)
-
-
-def remove_folder(folder: str) -> None:
-    for f in Path(folder).glob("*"):
-        f.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        Path(folder).rmdir()
 
 
 class EngineGroup:
@@ -361,7 +355,7 @@ class EngineGroup:
 def _stop_group(procs: dict, coordinator: list, folder: str, ctx: zmq.Context) -> None:
     for proc in [*procs.values(), *coordinator]:
         stop_process(proc)
-    remove_folder(folder)
+    shutil.rmtree(folder, ignore_errors=True)
     ctx.destroy(linger=0)
 
 
@@ -502,7 +496,7 @@ class SyncMPClient:
         except BaseException:
             self.output_sock.close(linger=0)
             self.ctx.term()
-            remove_folder(self._dir)
+            shutil.rmtree(self._dir, ignore_errors=True)
             raise
         handles = self.group.handles()
         self.dp = config.data_parallel_size
@@ -607,7 +601,7 @@ class SyncMPClient:
         if self._loads_sock is not None:
             self._loads_sock.close(linger=0)
         self.ctx.term()
-        remove_folder(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _connect(ctx: zmq.Context, kind: int, addr: str, subscribe: bool = False) -> zmq.Socket:
@@ -809,4 +803,4 @@ class AsyncMPClient:
             self.loads_sock.close(linger=0)
         self.ctx.term()
         if self._dir is not None:
-            remove_folder(self._dir)
+            shutil.rmtree(self._dir, ignore_errors=True)

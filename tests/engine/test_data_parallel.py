@@ -12,30 +12,16 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from stepscope.engine import LLM, SamplingParams
 from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.engine.frontend.core_client import EngineDeadError, LoadBalancer, merge_stats
+from tests.process_tree import pid_alive, wait_pids_gone
 
 PROMPTS = [f"Request {i}: " + "word " * (3 + 5 * i) for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 TINY = {"model": "tiny-llama", "num_kv_blocks": 64, "max_num_batched_tokens": 32}
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 def tokens(llm: LLM) -> list[list[int]]:
@@ -81,7 +67,7 @@ def test_dp2_gives_the_dp1_tokens_with_vllms_process_count(dp1_tokens) -> None:
         roles = sorted(p.role for p in procs)
         # A + DP + N (+1 coordinator) = 1 + 2 + 2 + 1.
         assert roles == ["api", "dp_coordinator", "engine_core", "engine_core", "worker", "worker"]
-        assert len({p.pid for p in procs}) == 6 and all(alive(p.pid) for p in procs)
+        assert len({p.pid for p in procs}) == 6 and all(pid_alive(p.pid) for p in procs)
         assert sorted((p.rank, p.dp_rank) for p in procs if p.role == "engine_core") == [
             (0, 0),
             (1, 1),
@@ -91,7 +77,7 @@ def test_dp2_gives_the_dp1_tokens_with_vllms_process_count(dp1_tokens) -> None:
         stats = llm.get_stats()
         assert len(stats["ranks"]) == 2 and all(r["num_steps"] > 0 for r in stats["ranks"])
         pids = [p.pid for p in procs if p.role != "api"]
-    assert wait_gone(pids) == []
+    assert wait_pids_gone(pids) == []
 
 
 def test_dp2_with_tp2_gives_the_dp1_tokens(dp1_tokens) -> None:
@@ -102,7 +88,7 @@ def test_dp2_with_tp2_gives_the_dp1_tokens(dp1_tokens) -> None:
         assert workers == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert tokens(llm) == dp1_tokens
         pids = [p.pid for p in procs if p.role != "api"]
-    assert wait_gone(pids) == []
+    assert wait_pids_gone(pids) == []
 
 
 def test_a_burst_is_served_by_both_ranks_as_the_trace_shows(tmp_path) -> None:
@@ -150,7 +136,7 @@ def test_a_killed_rank_fails_the_requests_within_5_s(victim: str) -> None:
     with pytest.raises(EngineDeadError):  # and every later request, at once
         llm.generate("Hello", GREEDY, use_tqdm=False)
     llm.shutdown()
-    assert wait_gone([p.pid for p in procs if p.role != "api"]) == []
+    assert wait_pids_gone([p.pid for p in procs if p.role != "api"]) == []
 
 
 def test_async_engine_fails_every_stream_when_a_rank_dies() -> None:
@@ -173,7 +159,7 @@ def test_async_engine_fails_every_stream_when_a_rank_dies() -> None:
             assert engine.is_dead and "DP rank 0" in engine.dead_reason
         finally:
             engine.shutdown()
-        assert wait_gone([p.pid for p in procs if p.role != "api"]) == []
+        assert wait_pids_gone([p.pid for p in procs if p.role != "api"]) == []
 
     asyncio.run(run())
 

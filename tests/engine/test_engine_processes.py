@@ -14,12 +14,12 @@ import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 
 from stepscope.engine import LLM, SamplingParams
 from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.engine.frontend.core_client import EngineDeadError
+from tests.process_tree import pid_alive, wait_pids_gone
 
 PROMPTS = [
     "Hello, my name is",
@@ -28,20 +28,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 TINY = {"model": "tiny-llama", "num_kv_blocks": 64, "max_num_batched_tokens": 24}
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +45,11 @@ def test_mp_executor_gives_the_uni_tokens_with_one_process_per_rank(uni_tokens, 
         assert roles.count("api") == 1 and roles.count("engine_core") == 1
         assert sorted(p.rank for p in procs if p.role == "worker") == list(range(tp))
         assert len({p.pid for p in procs}) == 2 + tp
-        assert all(alive(p.pid) for p in procs)
+        assert all(pid_alive(p.pid) for p in procs)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == uni_tokens
         pids = [p.pid for p in procs if p.role != "api"]
-    assert wait_gone(pids) == []
+    assert wait_pids_gone(pids) == []
 
 
 @pytest.mark.slow
@@ -99,7 +85,7 @@ def test_a_killed_process_fails_the_request_within_5_s(victim: str) -> None:
     with pytest.raises(EngineDeadError):  # and every later request, at once
         llm.generate("Hello", GREEDY, use_tqdm=False)
     llm.shutdown()
-    assert wait_gone([p.pid for p in procs if p.role != "api"]) == []
+    assert wait_pids_gone([p.pid for p in procs if p.role != "api"]) == []
 
 
 def test_async_engine_streams_aborts_and_frees_blocks(uni_tokens) -> None:
@@ -207,4 +193,4 @@ def test_no_process_outlives_its_script(
         time.sleep(1.0)
         proc.send_signal(signum)
     proc.wait(timeout=30)
-    assert wait_gone(pids) == []
+    assert wait_pids_gone(pids) == []

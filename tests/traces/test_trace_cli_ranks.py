@@ -11,32 +11,12 @@ import pytest
 
 from stepscope.traces import cli, queries
 from stepscope.traces.store import TraceStore
-
-PROMPTS = [f"Prompt {i}: tell me about scheduling " * (1 + i % 3) for i in range(8)]
-MAX_TOKENS = 8
+from tests.dp_trace import MAX_TOKENS, PROMPTS, record_dp2_trace
 
 
 @pytest.fixture(scope="module")
 def dp2_trace(tmp_path_factory) -> str:
-    """tiny-llama with data_parallel_size=2 (in-process executor in each engine core)."""
-    from stepscope.engine.entrypoints.llm import LLM
-    from stepscope.engine.sampling_params import SamplingParams
-
-    path = tmp_path_factory.mktemp("dp2") / "dp2.duckdb"
-    llm = LLM(
-        model="tiny-llama",
-        num_kv_blocks=64,
-        max_num_batched_tokens=32,
-        data_parallel_size=2,
-        executor="uni",
-        trace_db=path,
-    )
-    try:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        llm.generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return str(path)
+    return str(record_dp2_trace(tmp_path_factory.mktemp("dp2") / "dp2.duckdb"))
 
 
 @pytest.fixture

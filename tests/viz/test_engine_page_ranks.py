@@ -11,30 +11,12 @@ import pytest
 from stepscope.traces import names as n
 from stepscope.viz.engine_page import EnginePage, rank_series, rank_table
 from stepscope.viz.sources import DuckDBSource
-
-PROMPTS = [f"Prompt {i}: tell me about scheduling " * (1 + i % 3) for i in range(8)]
+from tests.dp_trace import PROMPTS, record_dp2_trace
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """tiny-llama with data_parallel_size=2 (in-process executor in each engine core)."""
-    from stepscope.engine.entrypoints.llm import LLM
-    from stepscope.engine.sampling_params import SamplingParams
-
-    path = tmp_path_factory.mktemp("dp2") / "dp2.duckdb"
-    llm = LLM(
-        model="tiny-llama",
-        num_kv_blocks=64,
-        max_num_batched_tokens=32,
-        data_parallel_size=2,
-        executor="uni",
-        trace_db=path,
-    )
-    try:
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        llm.generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        llm.shutdown()
+    path = record_dp2_trace(tmp_path_factory.mktemp("dp2") / "dp2.duckdb")
     src = DuckDBSource(path)
     yield src
     src.close()

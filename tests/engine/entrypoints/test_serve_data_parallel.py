@@ -13,19 +13,12 @@ import time
 
 import httpx
 import openai
-import psutil
 
 from stepscope.traces.store import TraceStore
+from tests.process_tree import pid_alive, wait_pids_gone
 from tests.server_utils import Server
 
 MODEL = "tiny-llama"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_dp2_server_balances_streams_and_fails_fast_when_a_rank_dies(tmp_path) -> None:
@@ -39,7 +32,7 @@ def test_dp2_server_balances_streams_and_fails_fast_when_a_rank_dies(tmp_path) -
         roles = sorted(p["role"] for p in procs)
         # A + DP + N + coordinator = 1 + 2 + 2 + 1 (the collector is stepscope's own extra).
         assert roles == ["api", "dp_coordinator", "engine_core", "engine_core", "worker", "worker"]
-        assert all(_alive(p["pid"]) for p in procs)
+        assert all(pid_alive(p["pid"]) for p in procs)
 
         def connect() -> openai.AsyncOpenAI:  # one per event loop
             return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
@@ -77,10 +70,7 @@ def test_dp2_server_balances_streams_and_fails_fast_when_a_rank_dies(tmp_path) -
         assert time.monotonic() - killed < 5.0
     finally:
         server.stop()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(p["pid"]) for p in procs):
-        time.sleep(0.1)
-    assert [p for p in procs if _alive(p["pid"])] == []
+    assert wait_pids_gone([p["pid"] for p in procs]) == []
 
     store = TraceStore(db, read_only=True)
     try:

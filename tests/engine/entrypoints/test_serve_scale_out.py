@@ -20,27 +20,15 @@ import openai
 import psutil
 import pytest
 
+from stepscope.engine.entrypoints.serve import wait_healthy
 from stepscope.traces.collector import CollectorClient
 from stepscope.traces.store import TraceStore
+from tests.process_tree import pid_alive, wait_pids_gone
 from tests.server_utils import CLI, Server, free_port
 
 MODEL = "tiny-llama"
 SMALL = ["--model", MODEL, "--num-kv-blocks", "64", "--max-num-batched-tokens", "32"]
 SERVING_ROLES = {"api", "dp_coordinator", "engine_core", "worker"}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
 
 
 def _processes(url: str) -> list[dict]:
@@ -81,7 +69,7 @@ def test_two_api_servers_share_the_port_and_reach_both_ranks(tmp_path) -> None:
         pids = [p["pid"] for p in procs]
     finally:
         server.stop()
-    assert _wait_gone(pids) == []
+    assert wait_pids_gone(pids) == []
     store = TraceStore(db, read_only=True)
     try:
         ranks = store.df("SELECT DISTINCT dp_rank FROM requests ORDER BY 1")["dp_rank"].tolist()
@@ -103,13 +91,13 @@ def test_tp2_dp4_with_four_api_servers_is_vllms_17_processes() -> None:
         serving = [p for p in procs if p["role"] in SERVING_ROLES]
         # A + DP + N + 1 = 4 + 4 + 8 + 1, each its own live process.
         assert len({p["pid"] for p in serving}) == 17
-        assert all(_alive(p["pid"]) for p in serving)
+        assert all(pid_alive(p["pid"]) for p in serving)
         workers = sorted((p["dp_rank"], p["rank"]) for p in serving if p["role"] == "worker")
         assert workers == [(d, t) for d in range(4) for t in range(2)]
         assert len(asyncio.run(_complete(server.url, 4, max_tokens=3))) == 4
     finally:
         server.stop()
-    assert _wait_gone([p["pid"] for p in procs]) == []
+    assert wait_pids_gone([p["pid"] for p in procs]) == []
 
 
 def _start(process_tree, *args: str) -> subprocess.Popen:
@@ -129,18 +117,6 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 120.0) -> 
     raise AssertionError(f"no {marker!r} from {proc.args} (exit code {proc.poll()})")
 
 
-def _wait_healthy(url: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} never became healthy")
-
-
 def test_head_and_headless_serve_both_ranks_into_one_trace(tmp_path, process_tree) -> None:
     db = tmp_path / "two-machines.duckdb"
     port, rpc = free_port(), free_port()
@@ -151,7 +127,7 @@ def test_head_and_headless_serve_both_ranks_into_one_trace(tmp_path, process_tre
     headless = _start(process_tree, *SMALL, *dist, "--headless", "--data-parallel-start-rank",
                       "1", "--otlp-endpoint", collector)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url)
+    wait_healthy(url, head, 180)
     procs = _processes(url)
     head_pids = [p.pid for p in psutil.Process(head.pid).children(recursive=True)] + [head.pid]
     remote = [p for p in procs if p["dp_rank"] == 1 and p["role"] in ("engine_core", "worker")]
@@ -181,7 +157,7 @@ def test_head_and_headless_serve_both_ranks_into_one_trace(tmp_path, process_tre
 
     head.send_signal(signal.SIGINT)
     assert head.wait(60) == 0
-    assert _wait_gone(head_pids + headless_pids) == []
+    assert wait_pids_gone(head_pids + headless_pids) == []
     store = TraceStore(db, read_only=True)
     try:
         steps = store.df("SELECT dp_rank, count(*) AS n FROM steps GROUP BY 1 ORDER BY 1")
@@ -243,7 +219,7 @@ def test_stopping_the_head_stops_the_headless_machine_too(process_tree) -> None:
     head = _start(process_tree, *SMALL, *dist, "--port", str(port))
     headless = _start(process_tree, *SMALL, *dist, "--headless", "--data-parallel-start-rank", "1")
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url)
+    wait_healthy(url, head, 180)
     assert len(asyncio.run(_complete(url, 4))) == 4
     pids = [p["pid"] for p in _processes(url)] + [headless.pid]
     head.send_signal(signal.SIGINT)
@@ -252,7 +228,7 @@ def test_stopping_the_head_stops_the_headless_machine_too(process_tree) -> None:
     # launcher ends with its engine cores.
     assert headless.wait(30) == 0
     assert "engine cores stopped" in headless.stdout.read()
-    assert _wait_gone(pids) == []
+    assert wait_pids_gone(pids) == []
 
 
 def test_tp_across_two_machines_gives_the_tp1_text_and_fails_fast(process_tree) -> None:
@@ -269,7 +245,7 @@ def test_tp_across_two_machines_gives_the_tp1_text_and_fails_fast(process_tree) 
     head = _start(process_tree, *SMALL, *tp, "--node-rank", "0", "--port", str(port))
     node1 = _start(process_tree, *SMALL, *tp, "--node-rank", "1", "--headless")
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url)
+    wait_healthy(url, head, 180)
     procs = _processes(url)
     workers = {p["rank"]: p["pid"] for p in procs if p["role"] == "worker"}
     node1_pids = [c.pid for c in psutil.Process(node1.pid).children(recursive=True)]
@@ -297,4 +273,4 @@ def test_tp_across_two_machines_gives_the_tp1_text_and_fails_fast(process_tree) 
     assert "node 1" in httpx.get(f"{url}/health", timeout=5).json()["error"]["message"]
     head.send_signal(signal.SIGINT)
     assert head.wait(60) == 0
-    assert _wait_gone([p["pid"] for p in procs]) == []
+    assert wait_pids_gone([p["pid"] for p in procs]) == []
