@@ -172,6 +172,9 @@ class CoreAddresses(msgspec.Struct, array_like=True):
 
     output_addrs: list[str]  # one per API server, by client index
     coordinator_addr: str | None = None  # with DP > 1: where to send RankLoad
+    # With ranks on other machines: the coordinator's publications over TCP. Engine cores there
+    # watch the head by them (a head silent for HEAD_TIMEOUT_S is gone: they stop).
+    head_addr: str | None = None
 
 
 class EngineDead(msgspec.Struct, array_like=True):

@@ -13,6 +13,7 @@ from enum import StrEnum
 SERVICE_API = "stepscope.api"
 SERVICE_ENGINE_CORE = "stepscope.engine_core"
 SERVICE_WORKER = "stepscope.worker"
+SERVICE_DP_COORDINATOR = "stepscope.dp_coordinator"  # with data parallelism: rank loads only
 # Offline `LLM` with the in-process engine core: every role in one process, one provider.
 SERVICE_OFFLINE = "stepscope.offline"
 SERVICE_NAME = "service.name"
@@ -33,6 +34,7 @@ FORWARD = "stepscope.forward"
 SAMPLE = "stepscope.sample"
 SEND = "stepscope.send"  # PRODUCER on the sender of a message across a boundary
 RECEIVE = "stepscope.receive"  # CONSUMER on the receiver, parented on the SEND span
+DP_PUBLISH = "stepscope.dp_publish"  # DP coordinator: one per publication of the ranks' loads
 
 SPAN_NAMES = (
     REQUEST,
@@ -46,6 +48,7 @@ SPAN_NAMES = (
     SAMPLE,
     SEND,
     RECEIVE,
+    DP_PUBLISH,
 )
 
 # ---- the four boundaries of the request path -----------------------------------------------------
@@ -99,6 +102,12 @@ PREEMPTED_IDS = "stepscope.preempted_ids"  # string array
 FINISHED_IDS = "stepscope.finished_ids"  # string array
 REQUEST_IDS = "stepscope.request_ids"  # string array: the requests this step served
 REQUEST_NUM_TOKENS = "stepscope.request_num_tokens"  # int array, parallel to REQUEST_IDS
+
+# ---- DP coordinator publication span: int arrays, one entry per DP rank ------------------------
+DP_NUM_WAITING = "stepscope.dp_num_waiting"
+DP_NUM_RUNNING = "stepscope.dp_num_running"
+DP_LOST = "stepscope.dp_lost"  # 1 when the rank has been silent past the coordinator's timeout
+DP_REPORT_AGE_MS = "stepscope.dp_report_age_ms"  # since the rank's last report (-1: none yet)
 
 # ---- crossing spans (send / receive) -------------------------------------------------------------
 BOUNDARY = "stepscope.boundary"

@@ -208,6 +208,13 @@ s AS (
            max(num_waiting) AS max_waiting,
            CAST(sum(num_preempted) AS BIGINT) AS preemptions
     FROM steps GROUP BY dp_rank
+),
+d AS (  -- what the DP coordinator published: the load the API servers routed by
+    SELECT dp_rank, count(*) AS publications,
+           avg(num_waiting) AS published_waiting,
+           avg(num_running) AS published_running,
+           bool_or(lost) AS lost
+    FROM dp_loads GROUP BY dp_rank
 )
 SELECT dp_rank,
        coalesce(r.requests, 0) AS requests,
@@ -216,8 +223,11 @@ SELECT dp_rank,
        coalesce(s.steps, 0) AS steps,
        s.mean_step_ms, s.mean_budget_used, s.max_running, s.max_waiting,
        coalesce(s.preemptions, 0) AS preemptions,
-       r.p50_ttft_ms, r.p99_ttft_ms
-FROM r FULL OUTER JOIN s USING (dp_rank)
+       r.p50_ttft_ms, r.p99_ttft_ms,
+       coalesce(d.publications, 0) AS publications,
+       d.published_waiting, d.published_running,
+       coalesce(d.lost, false) AS lost
+FROM r FULL OUTER JOIN s USING (dp_rank) LEFT JOIN d USING (dp_rank)
 ORDER BY dp_rank
 """
 
@@ -233,7 +243,8 @@ def dp_ranks(source: Source) -> list[int]:
 
 def summary(source: Source) -> dict[str, pd.DataFrame]:
     """Counts per span name, per boundary and side, step statistics, latency percentiles, and
-    the work of each data-parallel rank ("ranks": one row per `dp_rank`)."""
+    the work of each data-parallel rank ("ranks": one row per `dp_rank`, with the DP
+    coordinator's published load: mean waiting and running, and whether the rank was lost)."""
     return {
         "spans": df(source, _SPAN_COUNTS),
         "crossings": df(source, _CROSSING_COUNTS),

@@ -390,6 +390,7 @@ def init_process_tracing(
     otlp_endpoint: str | None = None,
     db_path: str | os.PathLike[str] | None = None,
     trace_steps: str = "all",
+    schedule_delay_ms: int = SCHEDULE_DELAY_MS,
 ) -> bool:
     """`init_tracing` for a process of the engine when it has somewhere to send spans; with no
     destination tracing stays off (every helper a no-op) and this returns False."""
@@ -403,5 +404,6 @@ def init_process_tracing(
         otlp_endpoint=otlp_endpoint,
         db_path=db_path,
         trace_steps=trace_steps,
+        schedule_delay_ms=schedule_delay_ms,
     )
     return True

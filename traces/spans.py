@@ -37,6 +37,7 @@ __all__ = [
     "StepSpan",
     "TraceSampling",
     "child_span",
+    "dp_publish_span",
     "ended_child_span",
     "extract_context",
     "inject_context",
@@ -400,6 +401,27 @@ def ended_child_span(name: str, start_ns: int, end_ns: int) -> None:
     if state is None or not trace.get_current_span().is_recording():
         return
     state.tracer.start_span(name, start_time=start_ns).end(end_time=end_ns)
+
+
+def dp_publish_span(
+    loads: Sequence[Sequence[int]], report_age_ms: Sequence[int], start_ns: int, end_ns: int
+) -> None:
+    """`stepscope.dp_publish`: the DP coordinator sent every rank's `[waiting, running, lost]`
+    (with how old each rank's last report was) to the API servers, between these two times."""
+    state = _setup.state
+    if state is None:
+        return
+    span = state.tracer.start_span(
+        n.DP_PUBLISH,
+        start_time=start_ns,
+        attributes={
+            n.DP_NUM_WAITING: [load[0] for load in loads],
+            n.DP_NUM_RUNNING: [load[1] for load in loads],
+            n.DP_LOST: [load[2] for load in loads],
+            n.DP_REPORT_AGE_MS: list(report_age_ms),
+        },
+    )
+    span.end(end_time=end_ns)
 
 
 def worker_step_span(

@@ -5,8 +5,9 @@ collector in `stepscope serve`, the notebook kernel in offline runs); a finished
 anywhere read-only. Spans go in as column batches through Arrow, never row by row.
 
 Table `spans` holds one row per span (ids as lowercase hex, attributes/events/links/resource as
-JSON). The views `requests`, `steps`, `crossings`, `step_requests` and `worker_steps` are the
-contract the dashboard, CLI and tutorials read; docs/tracing.md lists their columns.
+JSON). The views `requests`, `steps`, `crossings`, `step_requests`, `worker_steps` and
+`dp_loads` are the contract the dashboard, CLI and tutorials read; docs/tracing.md lists their
+columns.
 """
 
 from __future__ import annotations
@@ -220,6 +221,30 @@ FROM spans w
 LEFT JOIN spans c ON c.parent_span_id = w.span_id AND c.trace_id = w.trace_id
 WHERE w.name = '{n.WORKER_STEP}'
 GROUP BY w.trace_id, w.span_id, w.attributes, w.resource, w.rank, w.start_ns, w.end_ns
+""",
+    # One row per DP rank per publication of the DP coordinator: the load the API servers
+    # routed by (the arrays of a `stepscope.dp_publish` span are indexed by rank).
+    "dp_loads": f"""
+SELECT
+    time_ns,
+    CAST(unnest(range(len(waiting))) AS INTEGER) AS dp_rank,
+    unnest(waiting) AS num_waiting,
+    unnest(running) AS num_running,
+    unnest(lost) = 1 AS lost,
+    unnest(age_ms) / 1e3 AS report_age_s,
+    trace_id,
+    span_id
+FROM (
+    SELECT
+        start_ns AS time_ns,
+        coalesce({_num(n.DP_NUM_WAITING, "BIGINT[]")}, []) AS waiting,
+        coalesce({_num(n.DP_NUM_RUNNING, "BIGINT[]")}, []) AS running,
+        coalesce({_num(n.DP_LOST, "BIGINT[]")}, []) AS lost,
+        coalesce({_num(n.DP_REPORT_AGE_MS, "BIGINT[]")}, []) AS age_ms,
+        trace_id,
+        span_id
+    FROM spans WHERE name = '{n.DP_PUBLISH}'
+)
 """,
 }
 

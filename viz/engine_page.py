@@ -6,9 +6,10 @@ histograms, and a request table whose rows open the request path page. A finishe
 replayed with a step player; a live source is re-read by the app every second.
 
 With data parallelism (several `dp_rank`s) the page adds a table of each rank's work and, over
-time, one line per rank of its token budget use, KV blocks and queue; the per-step charts and the
-player show one rank at a time (step indexes count per rank), picked with a selector; and the
-timeline groups the processes by rank.
+time, one line per rank of its token budget use, KV blocks and queue, and of the load the DP
+coordinator published (`dp_loads`: what the API servers routed by, with the moment a rank was
+lost); the per-step charts and the player show one rank at a time (step indexes count per rank),
+picked with a selector; and the timeline groups the processes by rank.
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ SELECT s.boundary, s.message_type, s.bytes, s.num_requests, s.start_ns AS send_n
        r.dp_rank AS dst_dp_rank
 FROM c s JOIN c r ON r.parent_span_id = s.span_id AND r.trace_id = s.trace_id
 WHERE s.side = 'send' AND r.side = 'receive'
+"""
+MAX_LOADS = 20_000  # DP coordinator rows read per refresh (the most recent)
+_LOADS_SQL = f"""
+SELECT * FROM (
+    SELECT time_ns, dp_rank, num_waiting, num_running, lost
+    FROM dp_loads ORDER BY time_ns DESC LIMIT {MAX_LOADS}
+) ORDER BY time_ns, dp_rank
 """
 _SIGNATURE_SQL = "SELECT count(*) AS spans, max(end_ns) AS last_ns FROM spans"
 # Step indexes count per data-parallel rank: a step is (dp_rank, step).
@@ -186,13 +194,50 @@ def rank_series(steps: pd.DataFrame, origin_ns: int) -> dict[str, list[Any]]:
     return data
 
 
-def rank_table(steps: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
+def load_series(loads: pd.DataFrame, origin_ns: int) -> tuple[dict, dict]:
+    """From `dp_loads`: one line per DP rank of the running and waiting counts the coordinator
+    published from `origin_ns` on (ms since it), and one point per rank where it was first
+    published lost. Columns of the load figure's line and point sources."""
+    lines: dict[str, list[Any]] = {
+        k: [] for k in ("dp_rank", "label", "color", "xs", "running", "waiting")
+    }
+    lost: dict[str, list[Any]] = {k: [] for k in ("x", "y", "label", "color")}
+    # Idle heartbeats before the first request or step are left out.
+    loads = loads[loads["time_ns"] >= origin_ns] if not loads.empty else loads
+    for dp_rank in _ranks(loads):
+        mine = loads[loads["dp_rank"] == dp_rank].sort_values("time_ns")
+        xs = (mine["time_ns"].to_numpy(float) - origin_ns) / 1e6
+        cols = float_columns(mine, ["num_running", "num_waiting"])
+        lines["dp_rank"].append(dp_rank)
+        lines["label"].append(f"DP rank {dp_rank}")
+        lines["color"].append(rank_color(dp_rank))
+        lines["xs"].append(xs)
+        lines["running"].append(cols["num_running"])
+        lines["waiting"].append(cols["num_waiting"])
+        flags = mine["lost"].fillna(False).to_numpy(bool)
+        if flags.any():
+            first = int(np.argmax(flags))
+            lost["x"].append(xs[first])
+            lost["y"].append(0.0)
+            lost["label"].append(f"DP rank {dp_rank} lost")
+            lost["color"].append(rank_color(dp_rank))
+    return lines, lost
+
+
+def rank_table(
+    steps: pd.DataFrame, requests: pd.DataFrame, loads: pd.DataFrame | None = None
+) -> pd.DataFrame:
     """One row per DP rank: the requests routed to it (with their output tokens and median
-    TTFT) and the steps it ran (mean budget use, largest queues, preemptions)."""
+    TTFT), the steps it ran (mean budget use, largest queues, preemptions), and from the DP
+    coordinator's `dp_loads` the mean load it published for the rank and whether it was lost."""
+    if loads is None:
+        loads = pd.DataFrame(columns=["dp_rank", "num_waiting", "num_running", "lost"])
     rows = []
-    for dp_rank in _ranks(steps, requests):
+    for dp_rank in _ranks(steps, requests, loads):
         mine = steps[steps["dp_rank"] == dp_rank] if not steps.empty else steps
         routed = requests[requests["dp_rank"] == dp_rank] if not requests.empty else requests
+        published = loads[loads["dp_rank"] == dp_rank] if not loads.empty else loads
+        p = float_columns(published, ["num_waiting", "num_running"])
         s = float_columns(
             mine,
             [
@@ -220,6 +265,9 @@ def rank_table(steps: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
                 "preemptions": int(np.nansum(s["num_preempted"])),
                 "step_ms": _nan_stat(np.nanmean, s["duration_s"]) * 1e3,
                 "ttft_p50_ms": _nan_stat(np.nanmedian, r["ttft_s"]) * 1e3,
+                "published_waiting": _nan_stat(np.nanmean, p["num_waiting"]),
+                "published_running": _nan_stat(np.nanmean, p["num_running"]),
+                "lost": bool(published["lost"].fillna(False).astype(bool).any()),
             }
         )
     return pd.DataFrame(rows)
@@ -244,17 +292,21 @@ def _rank_table_html(table: pd.DataFrame) -> str:
             f'<td class="num">{num(r.max_running)}</td><td class="num">{num(r.max_waiting)}</td>'
             f'<td class="num">{r.preemptions}</td>'
             f'<td class="num">{num(r.step_ms, "{:.2f}")}</td>'
-            f'<td class="num">{num(r.ttft_p50_ms, "{:.2f}")}</td></tr>'
+            f'<td class="num">{num(r.ttft_p50_ms, "{:.2f}")}</td>'
+            f'<td class="num">{num(r.published_waiting, "{:.1f}")} / '
+            f"{num(r.published_running, '{:.1f}')}</td>"
+            f"<td>{'lost' if r.lost else 'up'}</td></tr>"
         )
     head = (
         "<tr><th>rank</th><th>requests</th><th>output tokens</th><th>steps</th>"
         "<th>budget used (mean)</th><th>running (max)</th><th>waiting (max)</th>"
-        "<th>preemptions</th><th>step (mean ms)</th><th>TTFT (p50 ms)</th></tr>"
+        "<th>preemptions</th><th>step (mean ms)</th><th>TTFT (p50 ms)</th>"
+        "<th>coordinator: waiting / running (mean)</th><th>coordinator: status</th></tr>"
     )
     return f'<table class="ss-table" id="rank-table">{head}{"".join(rows)}</table>'
 
 
-def _step_markers() -> list[Span]:
+def _step_markers(count: int = 3) -> list[Span]:
     """One dashed line per chart, hidden until the player marks a step on it."""
     return [
         Span(
@@ -265,7 +317,7 @@ def _step_markers() -> list[Span]:
             line_dash="dashed",
             visible=False,
         )
-        for _ in range(3)
+        for _ in range(count)
     ]
 
 
@@ -337,7 +389,11 @@ class EnginePage:
                 waiting=[],
             )
         )
-        self.rank_markers = _step_markers()
+        self.load_lines = ColumnDataSource(
+            dict(dp_rank=[], label=[], color=[], xs=[], running=[], waiting=[])
+        )
+        self.lost_points = ColumnDataSource(dict(x=[], y=[], label=[], color=[]))
+        self.rank_markers = _step_markers(4)
         self.rank_figs = [
             self._rank_figure("Token budget used per step, per DP rank (%)", "budget", "% used"),
             self._rank_figure("KV blocks used after scheduling, per DP rank", "kv_used", "blocks"),
@@ -347,6 +403,7 @@ class EnginePage:
                 "requests",
                 dashed="waiting",
             ),
+            self._load_figure(),
         ]
         for fig, marker in zip(self.rank_figs, self.rank_markers, strict=True):
             fig.add_layout(marker)
@@ -356,11 +413,15 @@ class EnginePage:
             pn.pane.Markdown(
                 "#### Data-parallel ranks\n"
                 "Each rank is an engine core with its own scheduler, KV cache and workers; the "
-                "API server sends each request to the least-loaded rank. Step indexes count per "
-                "rank: the per-step charts below show the rank picked beside the player."
+                "API server sends each request to the least-loaded rank, by the load the DP "
+                "coordinator last published (the fourth chart: `dp_loads`). Step indexes count "
+                "per rank: the per-step charts below show the rank picked beside the player."
             ),
             self.rank_summary,
-            pn.Row(*[bokeh_pane(f) for f in self.rank_figs], sizing_mode="stretch_width"),
+            *[
+                pn.Row(*[bokeh_pane(f) for f in pair], sizing_mode="stretch_width")
+                for pair in (self.rank_figs[:2], self.rank_figs[2:])
+            ],
             sizing_mode="stretch_width",
             visible=False,
         )
@@ -575,16 +636,45 @@ class EnginePage:
         fig.add_tools(HoverTool(renderers=[links], tooltips=[("", "@label")], line_policy="interp"))
         return fig
 
+    def _load_figure(self) -> figure:
+        """The DP coordinator's publications: per rank, running (solid) and waiting (dashed) as
+        the API servers saw them when routing; an x where a rank was first published lost."""
+        fig = self._rank_figure(
+            "Load the DP coordinator published, per rank: running (solid), waiting (dashed)",
+            "running",
+            "requests",
+            dashed="waiting",
+            source=self.load_lines,
+        )
+        lost = fig.scatter(
+            x="x",
+            y="y",
+            source=self.lost_points,
+            marker="x",
+            size=14,
+            line_width=3,
+            color="color",
+        )
+        fig.add_tools(HoverTool(renderers=[lost], tooltips=[("", "@label"), ("ms", "@x{0.0}")]))
+        return fig
+
     def _rank_figure(
-        self, title: str, column: str, y_label: str, dashed: str | None = None
+        self,
+        title: str,
+        column: str,
+        y_label: str,
+        dashed: str | None = None,
+        source: ColumnDataSource | None = None,
     ) -> figure:
-        """One line per DP rank of `column` over time (and of `dashed`, dashed)."""
+        """One line per DP rank of `column` over time (and of `dashed`, dashed), from
+        `source` (default: the per-step lines)."""
+        source = self.rank_lines if source is None else source
         fig = new_figure(title, x_axis_label="ms since the first span", y_axis_label=y_label)
         lines = [
             fig.multi_line(
                 xs="xs",
                 ys=column,
-                source=self.rank_lines,
+                source=source,
                 line_color="color",
                 line_width=2,
                 legend_field="label",
@@ -595,7 +685,7 @@ class EnginePage:
                 fig.multi_line(
                     xs="xs",
                     ys=dashed,
-                    source=self.rank_lines,
+                    source=source,
                     line_color="color",
                     line_width=2,
                     line_dash="dashed",
@@ -711,11 +801,15 @@ class EnginePage:
         """The per-rank table and lines (only with several DP ranks)."""
         self.rank_box.visible = self.several_ranks
         if not self.several_ranks:
-            self.rank_lines.data = {k: [] for k in self.rank_lines.data}
+            for source in (self.rank_lines, self.load_lines, self.lost_points):
+                source.data = {k: [] for k in source.data}
             self.rank_summary.object = ""
             return
+        assert self.source is not None
+        loads = self.source.query(_LOADS_SQL)
         self.rank_lines.data = rank_series(steps, self.origin_ns or 0)
-        self.rank_summary.object = _rank_table_html(rank_table(steps, requests))
+        self.load_lines.data, self.lost_points.data = load_series(loads, self.origin_ns or 0)
+        self.rank_summary.object = _rank_table_html(rank_table(steps, requests, loads))
 
     def _show_steps(self, steps: pd.DataFrame) -> None:
         self.steps = steps

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -43,13 +44,16 @@ from stepscope.engine.messages import (
 )
 from stepscope.traces import crossing, names
 from stepscope.traces.crossing import traced_receive, traced_send
-from stepscope.traces.process import watch_parent
+from stepscope.traces.process import terminate_self, watch_parent
 from stepscope.traces.setup import dropped_spans, init_process_tracing, shutdown_tracing
 
 _LOAD = b"load"  # output-queue item for the DP coordinator's socket, not an API server's
 # With a coordinator, the load goes out at least this often, even from a long step: it is also
 # the heartbeat by which the coordinator notices a rank on another machine is gone.
 LOAD_HEARTBEAT_S = 0.5
+# An engine core on another machine than the head stops when the DP coordinator (which
+# publishes at least every second) has been silent this long: the head is gone.
+HEAD_TIMEOUT_S = 5.0
 HANDSHAKE_TIMEOUT_S = 60.0
 
 
@@ -83,6 +87,10 @@ class EngineCoreProc:
         )
         self._output_thread.start()
         self._input_thread.start()
+        if addresses.head_addr is not None:
+            threading.Thread(
+                target=self._watch_head, args=(addresses.head_addr,), name="head-watch", daemon=True
+            ).start()
 
     # ---- IO threads ---------------------------------------------------------------------------
     def _input_loop(self, sock: zmq.Socket) -> None:
@@ -106,6 +114,29 @@ class EngineCoreProc:
                 self.input_queue.put((kind, utility_decoder.decode(payload.buffer)))
             elif kind == RequestKind.SHUTDOWN:
                 self.input_queue.put((kind, None))
+        sock.close(linger=0)
+
+    def _watch_head(self, addr: str) -> None:
+        """Stop this core when the head's coordinator falls silent (a head that dies hard
+        cannot send SHUTDOWN): otherwise it would wait, idle, for requests that never come."""
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(addr)
+        heard = time.monotonic()
+        while self.running:
+            if sock.poll(250):
+                while sock.poll(0):
+                    sock.recv()
+                heard = time.monotonic()
+            elif time.monotonic() - heard > HEAD_TIMEOUT_S:
+                print(
+                    f"stepscope: engine core of DP rank {self.dp_rank}: no word from the head "
+                    f"({addr}) for {HEAD_TIMEOUT_S:.0f} s: stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                terminate_self()
+                break
         sock.close(linger=0)
 
     def _output_loop(self, output_addrs: list[str]) -> None:
@@ -367,8 +398,6 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
 
 
 def main() -> None:
-    import sys
-
     args = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreProcArgs)
     run_engine_core(
         EngineConfig(**args.config),

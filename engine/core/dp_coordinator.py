@@ -11,6 +11,10 @@ is gone (those on its own machine it watches by pid).
 
 Only counts pass through here, never requests: a request goes from its API server straight to
 the engine core it was routed to.
+
+With tracing on, every publication is a `stepscope.dp_publish` span holding what was published
+(per rank: waiting, running, lost, and the age of the rank's last report). They are the
+`dp_loads` view: the balance between ranks exactly as the API servers saw it when routing.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import msgspec
 import zmq
 
 from stepscope.engine.messages import RankLoad
+from stepscope.traces import names
 from stepscope.traces.process import watch_parent
+from stepscope.traces.setup import init_process_tracing
+from stepscope.traces.spans import dp_publish_span
 
 PUBLISH_INTERVAL_S = 0.1
 HEARTBEAT_S = 1.0
@@ -37,6 +44,11 @@ class CoordinatorArgs(msgspec.Struct):
     stats_addr: str  # engine cores PUSH RankLoad here
     publish_addr: str  # API servers SUB here: [num_waiting, num_running, lost] per rank
     parent_pid: int
+    collector_endpoint: str | None = None  # where its dp_publish spans go (None: not traced)
+    otlp_endpoint: str | None = None
+    # With ranks on other machines, the same publications over TCP: their engine cores watch
+    # the head by them.
+    head_addr: str | None = None
 
 
 def encode_loads(loads: list[list[int]]) -> bytes:
@@ -51,11 +63,20 @@ def run_coordinator(args: CoordinatorArgs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides on shutdown
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     watch_parent(args.parent_pid)
+    # Spans leave every 200 ms, not every 2 s: a reader of a live trace sees balance promptly.
+    init_process_tracing(
+        names.SERVICE_DP_COORDINATOR,
+        collector_endpoint=args.collector_endpoint,
+        otlp_endpoint=args.otlp_endpoint,
+        schedule_delay_ms=200,
+    )
     ctx = zmq.Context()
     stats = ctx.socket(zmq.PULL)
     stats.bind(args.stats_addr)
     publish = ctx.socket(zmq.PUB)
     publish.bind(args.publish_addr)
+    if args.head_addr is not None:
+        publish.bind(args.head_addr)
     decoder = msgspec.msgpack.Decoder(RankLoad)
     loads = [[0, 0, 0] for _ in range(args.data_parallel_size)]
     seen: list[float | None] = [None] * args.data_parallel_size
@@ -84,7 +105,10 @@ def run_coordinator(args: CoordinatorArgs) -> None:
                     changed = True
             due = now - last_publish >= (PUBLISH_INTERVAL_S if changed else HEARTBEAT_S)
             if due:
+                start_ns = time.time_ns()
                 publish.send(encode_loads(loads))
+                ages = [-1 if at is None else int((now - at) * 1000) for at in seen]
+                dp_publish_span(loads, ages, start_ns, time.time_ns())
                 last_publish, changed = now, False
     finally:
         ctx.destroy(linger=0)

@@ -228,17 +228,27 @@ class EngineGroup:
         router = self._ctx.socket(zmq.ROUTER)
         handshake_addr = handshake_bind or f"ipc://{self._dir}/handshake"
         router.bind(handshake_addr)
-        coordinator_addr = None
+        coordinator_addr = head_addr = None
         self.publish_addr = None
         if self.size > 1:
             remote = len(local_ranks) < self.size
             coordinator_addr = (
                 f"tcp://{host}:{free_port(host)}" if remote and host else f"ipc://{self._dir}/loads"
             )
+            if remote and host:
+                head_addr = f"tcp://{host}:{free_port(host)}"
             self.publish_addr = f"ipc://{self._dir}/publish"
             self.coordinator = _spawn(
                 "stepscope.engine.core.dp_coordinator",
-                CoordinatorArgs(self.size, coordinator_addr, self.publish_addr, os.getpid()),
+                CoordinatorArgs(
+                    self.size,
+                    coordinator_addr,
+                    self.publish_addr,
+                    os.getpid(),
+                    config.collector_endpoint,
+                    config.otlp_endpoint,
+                    head_addr,
+                ),
             )
             self._coordinators.append(self.coordinator)
         for local, rank in enumerate(local_ranks):
@@ -252,7 +262,7 @@ class EngineGroup:
                 len(local_ranks),
             )
         self.ready: list[EngineCoreReady | None] = [None] * self.size
-        answer = msgspec.msgpack.encode(CoreAddresses(output_addrs, coordinator_addr))
+        answer = msgspec.msgpack.encode(CoreAddresses(output_addrs, coordinator_addr, head_addr))
         deadline = time.monotonic() + ready_timeout
         try:
             while any(r is None for r in self.ready):

@@ -50,6 +50,33 @@ def test_summary_has_one_row_per_rank_that_adds_up(store):
     assert (ranks["p50_ttft_ms"] <= ranks["p99_ttft_ms"]).all()
 
 
+def test_the_coordinators_publications_are_one_row_per_rank(store):
+    loads = store.df("SELECT * FROM dp_loads ORDER BY time_ns, dp_rank")
+    spans = store.df(
+        "SELECT service_name, count(*) AS n FROM spans WHERE name = 'stepscope.dp_publish' "
+        "GROUP BY 1"
+    )
+    assert list(spans["service_name"]) == ["stepscope.dp_coordinator"]
+    publications = int(spans["n"][0])
+    assert publications >= 1 and len(loads) == 2 * publications
+    per_time = loads.groupby("time_ns")["dp_rank"].apply(list)
+    assert all(ranks == [0, 1] for ranks in per_time)  # every publication names both ranks
+    assert not loads["lost"].any()
+    # Each rank's last report is never older than the 3 s after which it would be lost.
+    assert loads["report_age_s"].between(-0.001, 3.0).all()
+    # The coordinator saw the burst: some publication counts requests on a rank. Only the
+    # engine cores' own counts went in: nothing above what their steps recorded.
+    published = loads.groupby("dp_rank")[["num_running", "num_waiting"]].max()
+    assert (published["num_running"] + published["num_waiting"]).max() > 0
+    recorded = store.df("SELECT dp_rank, max(num_running + num_waiting) AS most FROM steps "
+                        "GROUP BY 1 ORDER BY 1")  # fmt: skip
+    assert (published["num_running"] <= len(PROMPTS)).all()
+    assert published.sum(axis=1).max() <= max(recorded["most"].max(), len(PROMPTS))
+    ranks = queries.summary(store)["ranks"]
+    assert list(ranks["publications"]) == [publications, publications]
+    assert not ranks["lost"].any()
+
+
 def test_cli_prints_work_per_dp_rank(dp2_trace):
     out = io.StringIO()
     cli.trace_summary(dp2_trace, out=out)

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from stepscope.traces import names as n
-from stepscope.viz.engine_page import EnginePage, rank_series, rank_table
+from stepscope.viz.engine_page import EnginePage, load_series, rank_series, rank_table
 from stepscope.viz.sources import DuckDBSource
 from tests.dp_trace import PROMPTS, record_dp2_trace
 
@@ -59,6 +59,45 @@ def test_rank_table_counts_each_ranks_work(source, steps):
     assert table["requests"].sum() == len(PROMPTS) and (table["requests"] > 0).all()
     assert table["steps"].sum() == len(steps)
     assert table["output_tokens"].sum() == requests["output_tokens"].sum()
+
+
+def test_load_chart_draws_what_the_coordinator_published(page, source):
+    loads = source.query("SELECT * FROM dp_loads ORDER BY time_ns")
+    loads = loads[loads["time_ns"] >= page.origin_ns]  # from the first request on
+    assert len(loads) > 0
+    lines = page.load_lines.data
+    assert lines["dp_rank"] == [0, 1]
+    for i, dp_rank in enumerate(lines["dp_rank"]):
+        mine = loads[loads["dp_rank"] == dp_rank]
+        assert list(lines["running"][i]) == list(mine["num_running"])
+        assert list(lines["waiting"][i]) == list(mine["num_waiting"])
+        xs = (mine["time_ns"] - page.origin_ns) / 1e6
+        np.testing.assert_allclose(lines["xs"][i], xs, atol=1e-3)
+    assert page.lost_points.data["x"] == []  # no rank was lost in this run
+    assert "coordinator: waiting / running" in page.rank_summary.object
+
+
+def test_a_lost_rank_gets_one_mark_where_it_was_first_published_lost():
+    loads = pd.DataFrame(
+        {
+            "time_ns": [1_000_000, 1_000_000, 3_000_000, 3_000_000, 5_000_000, 5_000_000],
+            "dp_rank": [0, 1, 0, 1, 0, 1],
+            "num_waiting": [0, 0, 1, 0, 0, 0],
+            "num_running": [2, 2, 2, 2, 1, 2],
+            "lost": [False, False, False, True, False, True],
+        }
+    )
+    lines, lost = load_series(loads, origin_ns=0)
+    assert lines["dp_rank"] == [0, 1]
+    assert list(lines["xs"][1]) == [1.0, 3.0, 5.0]
+    assert lost["x"] == [3.0] and lost["label"] == ["DP rank 1 lost"]
+    steps = pd.DataFrame(columns=["dp_rank", "num_decode_tokens", "num_prefill_tokens",
+                                  "token_budget", "num_running", "num_waiting", "num_preempted",
+                                  "duration_s"])  # fmt: skip
+    requests = pd.DataFrame(columns=["dp_rank", "output_tokens", "ttft_s"])
+    table = rank_table(steps, requests, loads).set_index("dp_rank")
+    assert table.loc[0, "published_running"] == pytest.approx(5 / 3)
+    assert not table.loc[0, "lost"] and table.loc[1, "lost"]
 
 
 def test_page_shows_each_rank(page, source, steps):

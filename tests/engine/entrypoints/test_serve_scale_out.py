@@ -162,10 +162,20 @@ def test_head_and_headless_serve_both_ranks_into_one_trace(tmp_path, process_tre
     try:
         steps = store.df("SELECT dp_rank, count(*) AS n FROM steps GROUP BY 1 ORDER BY 1")
         served = store.df("SELECT DISTINCT dp_rank FROM requests ORDER BY 1")
+        # The coordinator's publications: rank 1 went from up to lost, when its machine died.
+        lost = store.df(
+            "SELECT dp_rank, list(lost ORDER BY time_ns) AS flags, "
+            "max(report_age_s) AS oldest FROM dp_loads GROUP BY 1 ORDER BY 1"
+        )
     finally:
         store.close()
     assert steps["dp_rank"].tolist() == [0, 1] and (steps["n"] > 0).all()
     assert served["dp_rank"].tolist() == [0, 1]
+    assert lost["dp_rank"].tolist() == [0, 1]
+    assert not any(lost["flags"][0])
+    flags = list(lost["flags"][1])
+    assert not flags[0] and flags[-1] and flags == sorted(flags)  # up, then lost for good
+    assert lost["oldest"][1] > 3.0
 
 
 def test_a_headless_machine_that_never_registers_fails_the_head_clearly(process_tree) -> None:
@@ -212,21 +222,36 @@ def test_bad_scale_out_arguments_exit_2_with_a_clear_message(args, message) -> N
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
 
 
-def test_stopping_the_head_stops_the_headless_machine_too(process_tree) -> None:
+@pytest.mark.parametrize("how", ["clean", "killed"])
+def test_stopping_the_head_stops_the_headless_machine_too(process_tree, how) -> None:
     port, rpc = free_port(), free_port()
     dist = ["--dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address",
             "127.0.0.1", "--data-parallel-rpc-port", str(rpc), "--no-trace"]  # fmt: skip
     head = _start(process_tree, *SMALL, *dist, "--port", str(port))
-    headless = _start(process_tree, *SMALL, *dist, "--headless", "--data-parallel-start-rank", "1")
+    headless = process_tree.popen(
+        [*CLI, "serve", *SMALL, *dist, "--headless", "--data-parallel-start-rank", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, head, 180)
     assert len(asyncio.run(_complete(url, 4))) == 4
     pids = [p["pid"] for p in _processes(url)] + [headless.pid]
-    head.send_signal(signal.SIGINT)
-    assert head.wait(60) == 0
-    # The head told every engine core, the remote one too, to shut down; the headless
-    # launcher ends with its engine cores.
-    assert headless.wait(30) == 0
+    if how == "clean":
+        head.send_signal(signal.SIGINT)
+        assert head.wait(60) == 0
+        # The head told every engine core, the remote one too, to shut down; the headless
+        # launcher ends with its engine cores.
+        assert headless.wait(30) == 0
+    else:
+        # The head machine dies at once (every process of its tree, SIGKILLed): nobody tells
+        # the remote engine core anything. It notices the coordinator's silence and stops.
+        head_tree = [head.pid, *(p.pid for p in psutil.Process(head.pid).children(True))]
+        os.killpg(head.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert headless.wait(30) == 0
+        assert time.monotonic() - killed < 15.0
+        assert "no word from the head" in headless.stderr.read()
+        assert wait_pids_gone(head_tree) == []
     assert "engine cores stopped" in headless.stdout.read()
     assert wait_pids_gone(pids) == []
 
