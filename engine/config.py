@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -144,12 +147,16 @@ class EngineConfig:
         from stepscope.traces.setup import TraceSampling
 
         TraceSampling(self.trace_steps)  # raises ValueError on a malformed --trace-steps
-        if self.attention_backend not in (None, "torch", "triton"):
+        if self.attention_backend not in (None, "cpu", "torch", "triton"):
             raise ValueError(
-                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+                "attention_backend must be 'cpu', 'torch' or 'triton', got "
+                f"{self.attention_backend!r}"
             )
+        on_cpu = not self.device.startswith("cuda")
+        if self.attention_backend == "cpu" and not on_cpu:
+            raise ValueError("attention_backend 'cpu' runs on the CPU only: use 'triton'")
         if self.attention_backend is None:
-            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+            self.attention_backend = "triton" if not on_cpu else default_cpu_backend()
 
     @property
     def tensor_parallel_size_local(self) -> int:
@@ -173,3 +180,14 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def default_cpu_backend() -> str:
+    """`cpu` where its C kernel builds (it needs a C compiler), else `torch`, with a warning."""
+    from stepscope.engine.worker.attention import cpu_kernel_available
+
+    why_not = cpu_kernel_available()
+    if why_not is None:
+        return "cpu"
+    logger.warning("attention backend 'torch', not 'cpu': %s", why_not)
+    return "torch"

@@ -177,7 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+    p.add_argument(
+        "--attention-backend",
+        choices=["cpu", "torch", "triton"],
+        default=None,
+        help="default: triton on CUDA; on a CPU, cpu (a C decode kernel) where a C compiler "
+        "builds it, else torch",
+    )
     p.add_argument(
         "--max-queued-requests",
         type=int,

@@ -1,7 +1,11 @@
 """Attention backends: write this step's K/V into the paged cache, then attend through block
 tables (worker forward, stage 6). Each backend also carries the forward's other ops (RMSNorm,
-rotary, SiLU-and-mul) as `ops`. `torch` is the reference and the CPU default; `triton` runs
-the kernels in stepscope.kernels (compiled on CUDA, interpreted on CPU).
+rotary, SiLU-and-mul) as `ops`.
+
+- `cpu`, the CPU default: decodes through a C kernel that reads each request's keys and values
+  straight from the paged cache (stepscope.kernels.cpu_decode_attention), prefills as `torch`.
+- `torch`: the reference, in torch ops only (each request's context gathered, then SDPA).
+- `triton`: the kernels in stepscope.kernels (compiled on CUDA, interpreted on CPU).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ class PaddedGroup:
     q_valid: torch.Tensor | None  # [B, Qmax] bool; None when every query is real
     kv_blocks: torch.Tensor  # [B * max_blocks] block ids to gather (pads point to block 0)
     max_blocks: int
-    mask: torch.Tensor  # [B, 1, Qmax, max_blocks * block_size] bool, True where attended
+    # [B, 1, Qmax, max_blocks * block_size] bool, True where attended; None for a group of
+    # whole prompts (no earlier context), which attends its own fresh keys causally.
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -43,6 +49,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     groups: list[PaddedGroup]
+    num_decodes: int = 0  # the first rows: one query token each
+    max_decode_len: int = 0  # the longest context among them
 
 
 class ForwardOps(ABC):
@@ -181,6 +189,9 @@ class AttentionBackend(ABC):
             block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
         seq_lens = torch.tensor([s.seq_len for s in seqs], dtype=torch.int32)
         groups = self._build_groups(seqs, query_start_loc, block_tables)
+        num_decodes = 0
+        while num_decodes < len(seqs) and seqs[num_decodes].query_len == 1:
+            num_decodes += 1
         dev = self.device
         return AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
@@ -188,6 +199,8 @@ class AttentionBackend(ABC):
             seq_lens=seq_lens.to(dev),
             block_tables=block_tables.to(dev),
             groups=groups,
+            num_decodes=num_decodes,
+            max_decode_len=max((s.seq_len for s in seqs[:num_decodes]), default=0),
         )
 
     def _build_groups(
@@ -226,6 +239,9 @@ class TorchAttentionBackend(AttentionBackend):
     MAX_PAD_RATIO = 2.0
     # Below this many tokens of padded work in all, splitting costs more calls than it saves.
     MIN_SPLIT_TOKENS = 4096
+    # Groups of whole prompts attend their own keys with a causal SDPA: no gather, no mask.
+    CAUSAL_PROMPTS = True
+    DECODES_IN_KERNEL = False  # the cpu backend attends decodes in its kernel, not in groups
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         super().__init__(block_size, device)
@@ -240,11 +256,18 @@ class TorchAttentionBackend(AttentionBackend):
         num_decode = sum(1 for s in seqs if s.query_len == 1)
         if any(s.query_len > 1 for s in seqs[:num_decode]):
             raise ValueError("decode requests must come before prefills in the batch")
-        return [
-            self._padded_group(first, last, seqs, query_start_loc, block_tables)
-            for kind in ((0, num_decode), (num_decode, len(seqs)))
-            for first, last in self._split(seqs, *kind)
-        ]
+        groups = []
+        kinds = ((0, num_decode), (num_decode, len(seqs)))
+        for kind in kinds[1:] if self.DECODES_IN_KERNEL else kinds:
+            for first, last in self._split(seqs, *kind):
+                rows = seqs[first:last]
+                if self.CAUSAL_PROMPTS and all(1 < s.query_len == s.seq_len for s in rows):
+                    groups.append(self._fresh_group(first, last, seqs, query_start_loc))
+                else:
+                    groups.append(
+                        self._padded_group(first, last, seqs, query_start_loc, block_tables)
+                    )
+        return groups
 
     def _split(self, seqs: list[SeqInfo], first: int, last: int) -> list[tuple[int, int]]:
         """Cut rows [first, last) into runs whose padded query and key lengths stay within
@@ -303,6 +326,28 @@ class TorchAttentionBackend(AttentionBackend):
             mask=mask[:, None].to(dev),
         )
 
+    def _fresh_group(
+        self, first: int, last: int, seqs: list[SeqInfo], query_start_loc: torch.Tensor
+    ) -> PaddedGroup:
+        """Whole prompts: every key is one of this step's own tokens, so nothing is read back
+        from the cache, and a causal SDPA needs no mask. Padding goes at the end, where no real
+        query looks (query j attends keys 0..j)."""
+        group = seqs[first:last]
+        q_lens = torch.tensor([s.query_len for s in group])
+        j = torch.arange(int(q_lens.max()))
+        q_valid = j[None, :] < q_lens[:, None]
+        q_index = torch.where(q_valid, query_start_loc[first:last, None] + j[None, :], 0)
+        first_row, last_row = int(query_start_loc[first]), int(query_start_loc[last])
+        dev = self.device
+        return PaddedGroup(
+            q_index=q_index.to(dev),
+            rows=slice(first_row, last_row),
+            q_valid=q_valid.to(dev),
+            kv_blocks=torch.empty(0, dtype=torch.long, device=dev),
+            max_blocks=0,
+            mask=None,
+        )
+
     def _gather(self, cache: torch.Tensor, which: str, g: PaddedGroup) -> torch.Tensor:
         n = g.kv_blocks.numel()
         block_numel = cache[0].numel()
@@ -322,7 +367,18 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
+        self._attend_groups(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
         for g in meta.groups:
+            if g.mask is None:  # whole prompts: their own keys, causally
+                qg, kg, vg = (t[g.q_index].transpose(1, 2) for t in (q, k, v))
+                og = F.scaled_dot_product_attention(
+                    qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True
+                )
+                out[g.rows] = og.transpose(1, 2)[g.q_valid]
+                continue
             kg = self._gather(k_cache, "k", g)
             vg = self._gather(v_cache, "v", g)
             if g.q_index is None:  # one query per request: [B, H, 1, D]
@@ -336,6 +392,47 @@ class TorchAttentionBackend(AttentionBackend):
                 out[g.rows] = og[:, :, 0, :]
             else:
                 out[g.rows] = og.transpose(1, 2)[g.q_valid]
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Decodes through the C kernel, straight from the paged cache; prefills as `torch`.
+
+    A decode reads every key and value of its context once: gathering them into a padded
+    batch first, as `torch` does, writes and reads them all a second and a third time, and
+    decode attention is bound by that memory traffic. Prefill chunks stay with SDPA, whose
+    batched matmuls suit their many queries.
+    """
+
+    name = "cpu"
+    DECODES_IN_KERNEL = True
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on the CPU only")
+        super().__init__(block_size, device)
+        from stepscope.kernels import cpu_decode_attention
+
+        cpu_decode_attention.load()  # builds it on first use; a missing compiler fails here
+        self._decode = cpu_decode_attention.decode_attention
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            self._decode(
+                q[:nd].contiguous(),
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                scale,
+                max_len=meta.max_decode_len,
+                out=out[:nd],
+            )
+        self._attend_groups(q, k, v, k_cache, v_cache, meta, scale, out)
         return out
 
 
@@ -375,9 +472,22 @@ def _enable_triton_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def cpu_kernel_available() -> str | None:
+    """None when the cpu backend's kernel builds and loads here; else why not."""
+    from stepscope.kernels import cpu_decode_attention
+
+    try:
+        cpu_decode_attention.load()
+    except cpu_decode_attention.KernelBuildError as e:
+        return str(e)
+    return None
+
+
 def make_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:
     if name == "torch":
         return TorchAttentionBackend(block_size, device)
+    if name == "cpu":
+        return CpuAttentionBackend(block_size, device)
     if name == "triton":
         return TritonAttentionBackend(block_size, device)
-    raise ValueError(f"unknown attention backend {name!r}: use 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}: use 'cpu', 'torch' or 'triton'")
