@@ -3,7 +3,8 @@ tables (worker forward, stage 6). Each backend also carries the forward's other 
 rotary, SiLU-and-mul) as `ops`.
 
 - `cpu`, the CPU default: decodes through a C kernel that reads each request's keys and values
-  straight from the paged cache (stepscope.kernels.cpu_decode_attention), prefills as `torch`.
+  straight from the paged cache, prefills as `torch`; RMSNorm (with its residual add) and rotary
+  are C kernels too (stepscope.kernels.cpu).
 - `torch`: the reference, in torch ops only (each request's context gathered, then SDPA).
 - `triton`: the kernels in stepscope.kernels (compiled on CUDA, interpreted on CPU).
 """
@@ -137,6 +138,38 @@ class TorchForwardOps(ForwardOps):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CpuForwardOps(TorchForwardOps):
+    """RMSNorm with its residual add, and rotary, as one C kernel call each (float32 and
+    bfloat16 on the CPU; anything else falls back to the torch ops). SiLU-and-mul stays in
+    torch: its exponential would have to match torch's to the last bit for float32 parity."""
+
+    def __init__(self) -> None:
+        from stepscope.kernels.cpu import ops
+
+        self._ops = ops
+
+    @staticmethod
+    def _fits(*tensors: torch.Tensor) -> bool:
+        return all(
+            t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in tensors
+        )
+
+    def rms_norm(self, x, weight, eps):
+        if not (self._fits(x) and x.is_contiguous() and x.dim() == 2):
+            return super().rms_norm(x, weight, eps)
+        return self._ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if not (self._fits(x) and x.is_contiguous() and residual.is_contiguous() and x.dim() == 2):
+            return super().add_rms_norm(x, residual, weight, eps)
+        return self._ops.rms_norm(x, weight, eps, residual=residual)
+
+    def rotary(self, positions, q, k, cache):
+        if not self._fits(q):
+            return super().rotary(positions, q, k, cache)
+        return self._ops.rotary(positions, q, k, cache)
 
 
 class TritonForwardOps(ForwardOps):
@@ -410,10 +443,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if device.type != "cpu":
             raise ValueError("the cpu attention backend runs on the CPU only")
         super().__init__(block_size, device)
-        from stepscope.kernels import cpu_decode_attention
+        from stepscope.kernels.cpu import build, ops
 
-        cpu_decode_attention.load()  # builds it on first use; a missing compiler fails here
-        self._decode = cpu_decode_attention.decode_attention
+        build.load()  # builds the kernels on first use; a missing compiler fails here
+        self._decode = ops.decode_attention
+        self.ops = CpuForwardOps()
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -473,14 +507,10 @@ def _enable_triton_interpreter() -> None:
 
 
 def cpu_kernel_available() -> str | None:
-    """None when the cpu backend's kernel builds and loads here; else why not."""
-    from stepscope.kernels import cpu_decode_attention
+    """None when the cpu backend's kernels build and load here; else why not."""
+    from stepscope.kernels.cpu import build
 
-    try:
-        cpu_decode_attention.load()
-    except cpu_decode_attention.KernelBuildError as e:
-        return str(e)
-    return None
+    return build.available()
 
 
 def make_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:

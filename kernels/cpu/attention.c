@@ -9,10 +9,8 @@
  * heads), then the softmax over each head's whole row (one long loop, which vectorizes), then
  * the values weighted by it. Sums are in float32.
  *
- * Built by kernels/cpu_decode_attention.py with the system C compiler (-O3 -march=native
- * -fopenmp, and -fno-trapping-math so that the exponential's floor vectorizes) and called
- * through ctypes: no Python or torch headers, so it builds in a second. It links against the
- * OpenMP runtime torch has already loaded (libgomp.so.1), so both share one thread pool.
+ * Compiled with -ffp-contract=fast (multiply-adds fused) and -fno-trapping-math (so that the
+ * exponential's floor vectorizes); see build.py.
  *
  * Layouts (all contiguous, row-major):
  *   q        [num_seqs, num_heads, head_dim]
@@ -23,41 +21,8 @@
  *   out      [num_seqs, num_heads, head_dim]
  */
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
 
-static inline float load_f32(const float *p) { return *p; }
-
-static inline const float *widen_f32(const float *src, int64_t count, float *buffer) {
-    (void)count;
-    (void)buffer;
-    return src;
-}
-static inline void store_f32(float *p, float f) { *p = f; }
-
-static inline float load_bf16(const uint16_t *p) {
-    uint32_t bits = (uint32_t)(*p) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline void store_bf16(uint16_t *p, float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) { /* NaN stays NaN */
-        *p = (uint16_t)((bits >> 16) | 0x40u);
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    *p = (uint16_t)(bits >> 16);
-}
-
-static inline const float *widen_bf16(const uint16_t *src, int64_t count, float *buffer) {
-#pragma omp simd
-    for (int64_t i = 0; i < count; i++) buffer[i] = load_bf16(src + i);
-    return buffer;
-}
+#include "common.h"
 
 /* e^x for x <= 0, in a form a loop over it vectorizes: x = n ln2 + r with |r| <= ln2 / 2,
  * e^r by its Taylor polynomial to r^7 (relative error under 2e-7), 2^n from exponent bits. */

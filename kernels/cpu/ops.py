@@ -1,0 +1,166 @@
+"""The CPU kernels as torch functions, each beside its PyTorch reference.
+
+Triton runs on a CPU only through its interpreter, far too slowly to serve, so the CPU path has
+kernels of its own in C (as vLLM's CPU backend has C++ ones): decode attention straight from
+the paged KV cache (`attention.c`), RMSNorm with its residual add (`norm.c`) and rotary
+embedding (`rotary.c`). Each function checks its tensors, calls the kernel with their data
+pointers on torch's threads, and returns torch tensors; float32 and bfloat16 only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stepscope.kernels.cpu.build import load
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    if dtype not in _SUFFIX:
+        raise TypeError(f"the CPU kernels take float32 or bfloat16, got {dtype}")
+    return getattr(load(), f"{name}_{_SUFFIX[dtype]}")
+
+
+def _check(*tensors: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("every tensor must be contiguous and on the CPU")
+        if dtype is not None and t.dtype != dtype:
+            raise TypeError(f"expected {dtype}, got {t.dtype}")
+
+
+# ---- decode attention -------------------------------------------------------------------------
+def decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, >= blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
+    scale: float,
+    max_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Attention of one query per request over its context, read through its block table
+    (the query's own key and value are already in the cache). `max_len` bounds seq_lens
+    (default: their maximum)."""
+    _check(q, k_cache, v_cache, dtype=q.dtype)
+    _check(block_tables, seq_lens, dtype=torch.int32)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")  # fmt: skip
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if max_len is None:
+        max_len = int(seq_lens.max()) if num_seqs else 1
+    threads = torch.get_num_threads()
+    # Per thread: the scores, query rows and accumulators of every head, and one widened block.
+    per_thread = num_heads * (max_len + 2 * head_dim) + block_size * num_kv_heads * head_dim
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("out must be shaped and typed like q")
+    _check(out)
+    status = _kernel("decode_attention", q.dtype)(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
+        head_dim, block_size, scale, out.data_ptr(), scratch.data_ptr(), max_len, threads,
+    )  # fmt: skip
+    if status:
+        raise ValueError("every seq_len must be between 1 and max_len")
+    return out
+
+
+def decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float):
+    """The same attention in torch, request by request, in float32."""
+    num_heads, block_size = q.shape[1], k_cache.shape[1]
+    group = num_heads // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for i, length in enumerate(seq_lens.tolist()):
+        blocks = block_tables[i, : -(-length // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale
+        out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------------
+def rms_norm(
+    x: torch.Tensor,  # [rows, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [rows, hidden]: added to x first
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x (of x + residual, returned too, when a residual is given)."""
+    _check(x, weight, *(() if residual is None else (residual,)), dtype=x.dtype)
+    if x.dim() != 2 or weight.shape != x.shape[1:]:
+        raise ValueError(f"x must be [rows, hidden] with weight [hidden]: {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError("residual must be shaped like x")
+    out = torch.empty_like(x)
+    total = None if residual is None else torch.empty_like(x)
+    _kernel("rms_norm", x.dtype)(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
+        out.data_ptr(), None if total is None else total.data_ptr(), x.shape[0], x.shape[1],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out if total is None else (out, total)
+
+
+def rms_norm_reference(x, weight, eps, residual=None):
+    """transformers' LlamaRMSNorm, after the residual add in x's dtype."""
+    if residual is not None:
+        x = x + residual
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+# ---- rotary embedding -------------------------------------------------------------------------
+def rotary(
+    positions: torch.Tensor,  # [tokens] int64
+    q: torch.Tensor,  # [tokens, num_heads, head_dim]: each head contiguous, rows any stride
+    k: torch.Tensor,  # [tokens, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [max_positions, 2 * head_dim]: cos, then sin
+) -> tuple[torch.Tensor, torch.Tensor]:  # q and k rotated, contiguous
+    """Rotary embedding (rotate_half layout) of q and k by each token's position. q and k may
+    be views into one fused QKV output: only their heads need to be contiguous."""
+    _check(positions, dtype=torch.int64)
+    _check(cache, dtype=q.dtype)
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    for t in (q, k):
+        if t.dtype != q.dtype or t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError("q and k: each head's values must be contiguous, heads adjacent")
+    if k.shape[0] != tokens or k.shape[2] != head_dim or cache.shape[1] != 2 * head_dim:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, cache "
+                         f"{tuple(cache.shape)}")  # fmt: skip
+    q_out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
+    k_out = torch.empty(tokens, num_kv_heads, head_dim, dtype=q.dtype)
+    status = _kernel("rotary", q.dtype)(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+        cache.data_ptr(), cache.shape[0], tokens, num_heads, num_kv_heads, head_dim,
+        q_out.data_ptr(), k_out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 2:
+        raise ValueError(f"a position is outside the cache's {cache.shape[0]} positions")
+    if status:
+        raise ValueError("head_dim must be even")
+    return q_out, k_out
+
+
+def rotary_reference(positions, q, k, cache):
+    """transformers' `q * cos + rotate_half(q) * sin`, in q's dtype."""
+    cos, sin = cache[positions][:, None, :].chunk(2, dim=-1)
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
