@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	@# Browser tests drive Debian's Chromium (playwright cannot download its own browser here).
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+	@# The CPU attention backend's kernels are C, built by the system compiler (once, cached).
+	command -v cc >/dev/null || command -v gcc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
+	$(PY) -m stepscope.kernels.cpu.build
 	$(PY) -m stepscope.engine.entrypoints.cli prepare --model smollm2-135m-instruct --model tiny-llama
 	touch $(STAMP)
 

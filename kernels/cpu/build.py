@@ -77,7 +77,10 @@ def _cpu_flags() -> str:
 def library_path() -> Path:
     """Where the library for these sources, this compiler and this CPU lives (built or not)."""
     cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    except OSError as e:
+        raise KernelBuildError(f"the C compiler {cc} does not run: {e}") from e
     parts = [cc, version, _cpu_flags(), " ".join(COMMON), (HERE / "common.h").read_text()]
     for name, flags in sorted(SOURCES.items()):
         parts += [name, " ".join(flags), (HERE / name).read_text()]
@@ -138,3 +141,7 @@ def available() -> str | None:
     except KernelBuildError as e:
         return str(e)
     return None
+
+
+if __name__ == "__main__":  # `python -m stepscope.kernels.cpu.build`: build now (make setup)
+    print(f"CPU kernels: {build()}")

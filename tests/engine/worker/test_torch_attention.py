@@ -1,11 +1,18 @@
 """The torch attention backend pads requests of similar length together: splitting a batch into
-more groups changes the work, not the result."""
+more groups changes the work, not the result; whole prompts attend causally with no mask; the
+cpu backend (decodes in its C kernel) gives the same result."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from stepscope.engine.worker.attention import SeqInfo, TorchAttentionBackend
+from stepscope.engine.worker.attention import (
+    CpuAttentionBackend,
+    SeqInfo,
+    TorchAttentionBackend,
+    cpu_kernel_available,
+)
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 4, 2, 32
@@ -62,3 +69,26 @@ def test_a_small_batch_stays_in_one_group_per_kind() -> None:
     backend = TorchAttentionBackend(BLOCK, torch.device("cpu"))
     _, groups = _attend(backend, [(1, 16), (1, 100), (8, 40)])  # under MIN_SPLIT_TOKENS
     assert groups == 2
+
+
+def test_whole_prompts_attend_causally_without_a_mask_and_agree() -> None:
+    causal = TorchAttentionBackend(BLOCK, torch.device("cpu"))
+    masked = TorchAttentionBackend(BLOCK, torch.device("cpu"))
+    masked.CAUSAL_PROMPTS = False
+    lengths = [(24, 24), (40, 40), (300, 300)]  # three whole prompts: nothing cached before
+    seqs, slots, _ = _batch(lengths)
+    assert all(g.mask is None for g in causal.build_metadata(seqs, slots).groups)
+    got, _ = _attend(causal, lengths)
+    ref, _ = _attend(masked, lengths)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_kernel_available() is not None, reason="no C compiler for the kernels")
+def test_cpu_backend_gives_the_torch_backends_result() -> None:
+    cpu = CpuAttentionBackend(BLOCK, torch.device("cpu"))
+    meta = cpu.build_metadata(*_batch(LENGTHS)[:2])
+    assert meta.num_decodes == 5 and meta.max_decode_len == 900
+    assert all(g.q_index is not None for g in meta.groups)  # decodes go to the kernel
+    got, _ = _attend(cpu, LENGTHS)
+    ref, _ = _attend(TorchAttentionBackend(BLOCK, torch.device("cpu")), LENGTHS)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,117 @@
+"""The CPU kernels (kernels/cpu: C, built with the system compiler) against their references:
+decode attention from a paged cache, RMSNorm with and without its residual add, rotary on q
+and k read out of a fused QKV row. bfloat16 is emulated where the CPU lacks it: the kernels
+widen it to float32 themselves, so both dtypes run on every CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepscope.engine.worker.attention import TorchForwardOps
+from stepscope.kernels.cpu import build, ops
+
+pytestmark = pytest.mark.skipif(
+    build.available() is not None, reason=f"no CPU kernels here: {build.available()}"
+)
+CPU_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _paged_context(dtype, lengths, block_size=16, num_kv_heads=3, head_dim=64, shuffle=True):
+    """A cache with each request's context in blocks scattered over the pool."""
+    blocks_each = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks_each) + 7
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    order = torch.randperm(num_blocks) if shuffle else torch.arange(num_blocks)
+    table = torch.zeros(len(lengths), max(blocks_each), dtype=torch.int32)
+    used = 0
+    for i, b in enumerate(blocks_each):
+        table[i, :b] = order[used : used + b]
+        used += b
+    return k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 48)]
+)
+def test_decode_attention_matches_the_reference(dtype, num_heads, num_kv_heads, head_dim):
+    # Lengths: one token, a partial block, exactly one block, many blocks with a partial end.
+    lengths = [1, 7, 16, 17, 300, 1000]
+    k_cache, v_cache, table, seq_lens = _paged_context(
+        dtype, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
+    q = torch.randn(len(lengths), num_heads, head_dim).to(dtype)
+    got = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, head_dim**-0.5)
+    want = ops.decode_attention_reference(q, k_cache, v_cache, table, seq_lens, head_dim**-0.5)
+    tol = {"atol": 2e-6, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # A request of one token attends only to itself: its output is its own value.
+    one = v_cache[table[0, 0].long(), 0].float().repeat_interleave(num_heads // num_kv_heads, 0)
+    torch.testing.assert_close(got[0].float(), one, atol=1e-6, rtol=0)
+
+
+def test_decode_attention_fills_out_and_refuses_a_context_beyond_max_len():
+    k_cache, v_cache, table, seq_lens = _paged_context(torch.float32, [40, 20])
+    q = torch.randn(2, 9, 64)
+    out = torch.empty_like(q)
+    assert ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125, out=out) is out
+    with pytest.raises(ValueError, match="between 1 and max_len"):
+        ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125, max_len=30)
+    with pytest.raises(TypeError, match="int32"):
+        ops.decode_attention(q, k_cache, v_cache, table.long(), seq_lens, 0.125)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        ops.decode_attention(q.half(), k_cache.half(), v_cache.half(), table, seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add+norm"])
+def test_rms_norm_matches_transformers_op_for_op(dtype, with_residual):
+    x = torch.randn(37, 576).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    residual = torch.randn(37, 576).to(dtype) if with_residual else None
+    got = ops.rms_norm(x, weight, 1e-5, residual=residual)
+    want = ops.rms_norm_reference(x, weight, 1e-5, residual=residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # the residual sum, rounded in the dtype
+        got, want = got[0], want[0]
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)  # every rounding where torch rounds
+    else:
+        # Only the order of the sum of squares differs from torch's: a unit in the last place.
+        torch.testing.assert_close(got, want, atol=0, rtol=4e-7)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=["float32", "bfloat16"])
+def test_rotary_equals_transformers_bit_for_bit_from_a_fused_qkv_row(dtype):
+    tokens, heads, kv_heads, dim = 29, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)  # rows qkv.shape[1] apart
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    cache = TorchForwardOps().rope_cache(2048, dim, 10000.0, torch.device("cpu"), dtype)
+    positions = torch.randint(0, 2048, (tokens,))
+    got_q, got_k = ops.rotary(positions, q, k, cache)
+    want_q, want_k = ops.rotary_reference(positions, q, k, cache)
+    assert got_q.is_contiguous() and torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k)
+    with pytest.raises(ValueError, match="outside the cache"):
+        ops.rotary(torch.tensor([2048] * tokens), q, k, cache)
+
+
+def test_the_build_is_cached_by_source_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("STEPSCOPE_CACHE", str(tmp_path))
+    path = build.build()
+    assert path.parent == tmp_path / "kernels" and path.exists()
+    stamp = path.stat().st_mtime_ns
+    assert build.build() == path and path.stat().st_mtime_ns == stamp  # not rebuilt
+
+
+def test_a_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    with pytest.raises(build.KernelBuildError, match="does not run"):
+        build.build()
+    monkeypatch.delenv("CC")
+    with pytest.raises(build.KernelBuildError, match="no C compiler found"):
+        build.library_path()
