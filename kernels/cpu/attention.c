@@ -24,6 +24,13 @@
 
 #include "common.h"
 
+/* Ask for the next block while this one is computed on: blocks lie anywhere in the pool, so
+ * the hardware prefetcher, which follows addresses, cannot guess where the next one is. */
+static inline void prefetch_block(const void *start, int64_t bytes) {
+    const char *p = (const char *)start;
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
+}
+
 /* e^x for x <= 0, in a form a loop over it vectorizes: x = n ln2 + r with |r| <= ln2 / 2,
  * e^r by its Taylor polynomial to r^7 (relative error under 2e-7), 2^n from exponent bits. */
 static inline float exp_nonpositive(float x) {
@@ -97,6 +104,10 @@ static inline void softmax_row(float *row, int64_t n) {
                  * stretch of memory), four keys at a time. */                                 \
                 for (int64_t start = 0; start < len; start += block_size) {                    \
                     const int64_t n = len - start < block_size ? len - start : block_size;     \
+                    if (start + block_size < len)                                              \
+                        prefetch_block(k_cache + (int64_t)table[start / block_size + 1]        \
+                                                     * block_size * key_stride,                \
+                                       block_size * key_stride * (int64_t)sizeof(T));          \
                     const float *block = WIDEN(k_cache + (int64_t)table[start / block_size]   \
                                                    * block_size * key_stride, n * key_stride,   \
                                                    wide);                                       \
@@ -139,6 +150,10 @@ static inline void softmax_row(float *row, int64_t n) {
                 /* Pass 2: the values, weighted by the probabilities, a block at a time. */   \
                 for (int64_t start = 0; start < len; start += block_size) {                    \
                     const int64_t n = len - start < block_size ? len - start : block_size;     \
+                    if (start + block_size < len)                                              \
+                        prefetch_block(v_cache + (int64_t)table[start / block_size + 1]        \
+                                                     * block_size * key_stride,                \
+                                       block_size * key_stride * (int64_t)sizeof(T));          \
                     const float *block = WIDEN(v_cache + (int64_t)table[start / block_size]   \
                                                    * block_size * key_stride, n * key_stride,   \
                                                    wide);                                       \
