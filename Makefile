@@ -27,7 +27,7 @@ demo: setup
 	$(PY) -m stepscope.engine.entrypoints.cli demo
 
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: setup
 	$(PY) -m stepscope.engine.entrypoints.cli bench offline
