@@ -143,7 +143,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class CpuForwardOps(TorchForwardOps):
     """RMSNorm with its residual add, and rotary, as one C kernel call each (float32 and
     bfloat16 on the CPU; anything else falls back to the torch ops). SiLU-and-mul stays in
-    torch: its exponential would have to match torch's to the last bit for float32 parity."""
+    torch: it is bound by memory, and a C version gained little (docs/benchmarks.md)."""
 
     def __init__(self) -> None:
         from stepscope.kernels.cpu import ops
