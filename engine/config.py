@@ -184,9 +184,9 @@ class EngineConfig:
 
 def default_cpu_backend() -> str:
     """`cpu` where its C kernel builds (it needs a C compiler), else `torch`, with a warning."""
-    from stepscope.engine.worker.attention import cpu_kernel_available
+    from stepscope.kernels.cpu.build import available
 
-    why_not = cpu_kernel_available()
+    why_not = available()
     if why_not is None:
         return "cpu"
     logger.warning("attention backend 'torch', not 'cpu': %s", why_not)

@@ -231,12 +231,11 @@ class EngineGroup:
         coordinator_addr = head_addr = None
         self.publish_addr = None
         if self.size > 1:
-            remote = len(local_ranks) < self.size
-            coordinator_addr = (
-                f"tcp://{host}:{free_port(host)}" if remote and host else f"ipc://{self._dir}/loads"
-            )
-            if remote and host:
+            if len(local_ranks) < self.size and host:  # ranks on other machines too
+                coordinator_addr = f"tcp://{host}:{free_port(host)}"
                 head_addr = f"tcp://{host}:{free_port(host)}"
+            else:
+                coordinator_addr = f"ipc://{self._dir}/loads"
             self.publish_addr = f"ipc://{self._dir}/publish"
             self.coordinator = _spawn(
                 "stepscope.engine.core.dp_coordinator",

@@ -221,10 +221,10 @@ class AttentionBackend(ABC):
         for i, s in enumerate(seqs):
             block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
         seq_lens = torch.tensor([s.seq_len for s in seqs], dtype=torch.int32)
-        groups = self._build_groups(seqs, query_start_loc, block_tables)
-        num_decodes = 0
+        num_decodes = 0  # the leading rows of one query token each
         while num_decodes < len(seqs) and seqs[num_decodes].query_len == 1:
             num_decodes += 1
+        groups = self._build_groups(seqs, num_decodes, query_start_loc, block_tables)
         dev = self.device
         return AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
@@ -237,7 +237,11 @@ class AttentionBackend(ABC):
         )
 
     def _build_groups(
-        self, seqs: list[SeqInfo], query_start_loc: torch.Tensor, block_tables: torch.Tensor
+        self,
+        seqs: list[SeqInfo],
+        num_decodes: int,
+        query_start_loc: torch.Tensor,
+        block_tables: torch.Tensor,
     ) -> list[PaddedGroup]:
         return []
 
@@ -284,13 +288,16 @@ class TorchAttentionBackend(AttentionBackend):
         self._bufs: dict[str, torch.Tensor] = {}
 
     def _build_groups(
-        self, seqs: list[SeqInfo], query_start_loc: torch.Tensor, block_tables: torch.Tensor
+        self,
+        seqs: list[SeqInfo],
+        num_decodes: int,
+        query_start_loc: torch.Tensor,
+        block_tables: torch.Tensor,
     ) -> list[PaddedGroup]:
-        num_decode = sum(1 for s in seqs if s.query_len == 1)
-        if any(s.query_len > 1 for s in seqs[:num_decode]):
+        if any(s.query_len == 1 for s in seqs[num_decodes:]):
             raise ValueError("decode requests must come before prefills in the batch")
         groups = []
-        kinds = ((0, num_decode), (num_decode, len(seqs)))
+        kinds = ((0, num_decodes), (num_decodes, len(seqs)))
         for kind in kinds[1:] if self.DECODES_IN_KERNEL else kinds:
             for first, last in self._split(seqs, *kind):
                 rows = seqs[first:last]
@@ -449,11 +456,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._decode = ops.decode_attention
         self.ops = CpuForwardOps()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
         nd = meta.num_decodes
         if nd:
             self._decode(
@@ -466,8 +469,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 max_len=meta.max_decode_len,
                 out=out[:nd],
             )
-        self._attend_groups(q, k, v, k_cache, v_cache, meta, scale, out)
-        return out
+        super()._attend_groups(q, k, v, k_cache, v_cache, meta, scale, out)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -504,13 +506,6 @@ def _enable_triton_interpreter() -> None:
             "before anything imports them"
         )
     os.environ["TRITON_INTERPRET"] = "1"
-
-
-def cpu_kernel_available() -> str | None:
-    """None when the cpu backend's kernels build and load here; else why not."""
-    from stepscope.kernels.cpu import build
-
-    return build.available()
 
 
 def make_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:

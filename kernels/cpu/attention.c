@@ -71,6 +71,17 @@ static inline void softmax_row(float *row, int64_t n) {
 
 /* HD is the head dimension: a literal for the common sizes, so that the loops over it unroll
  * and the accumulators stay in registers, or `head_dim` itself for any other size. */
+/* The block of `table` holding token `start` of `cache`, as float32 (through WIDEN), with the
+ * next one (if the context has one) asked for ahead. */
+#define BLOCK_AT(cache, start, n, WIDEN)                                                       \
+    (((start) + block_size < len                                                               \
+          ? prefetch_block((cache) + (int64_t)table[(start) / block_size + 1] * block_size     \
+                                         * key_stride,                                         \
+                           block_bytes)                                                        \
+          : (void)0),                                                                          \
+     WIDEN((cache) + (int64_t)table[(start) / block_size] * block_size * key_stride,           \
+           (n) * key_stride, wide))
+
 /* WIDEN gives a block as float32: the block itself for float32, else widened once into the
  * thread's buffer, rather than at every use (each key and value serves every query head of
  * its group). */
@@ -85,6 +96,7 @@ static inline void softmax_row(float *row, int64_t n) {
         for (int64_t s = 0; s < num_seqs; s++)                                                 \
             if (seq_lens[s] < 1 || seq_lens[s] > max_len) return 2;                            \
         const int64_t key_stride = num_kv_heads * HD; /* between two keys of a block */        \
+        const int64_t block_bytes = block_size * key_stride * (int64_t)sizeof(T);              \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             const int64_t me = omp_get_thread_num();                                           \
             float *scores = scratch + me * num_heads * max_len; /* [num_heads][max_len] */     \
@@ -104,13 +116,7 @@ static inline void softmax_row(float *row, int64_t n) {
                  * stretch of memory), four keys at a time. */                                 \
                 for (int64_t start = 0; start < len; start += block_size) {                    \
                     const int64_t n = len - start < block_size ? len - start : block_size;     \
-                    if (start + block_size < len)                                              \
-                        prefetch_block(k_cache + (int64_t)table[start / block_size + 1]        \
-                                                     * block_size * key_stride,                \
-                                       block_size * key_stride * (int64_t)sizeof(T));          \
-                    const float *block = WIDEN(k_cache + (int64_t)table[start / block_size]   \
-                                                   * block_size * key_stride, n * key_stride,   \
-                                                   wide);                                       \
+                    const float *block = BLOCK_AT(k_cache, start, n, WIDEN);                   \
                     for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {             \
                         const float *kb = block + kv_head * HD;                                \
                         int64_t t = 0;                                                         \
@@ -150,13 +156,7 @@ static inline void softmax_row(float *row, int64_t n) {
                 /* Pass 2: the values, weighted by the probabilities, a block at a time. */   \
                 for (int64_t start = 0; start < len; start += block_size) {                    \
                     const int64_t n = len - start < block_size ? len - start : block_size;     \
-                    if (start + block_size < len)                                              \
-                        prefetch_block(v_cache + (int64_t)table[start / block_size + 1]        \
-                                                     * block_size * key_stride,                \
-                                       block_size * key_stride * (int64_t)sizeof(T));          \
-                    const float *block = WIDEN(v_cache + (int64_t)table[start / block_size]   \
-                                                   * block_size * key_stride, n * key_stride,   \
-                                                   wide);                                       \
+                    const float *block = BLOCK_AT(v_cache, start, n, WIDEN);                   \
                     for (int64_t h = 0; h < num_heads; h++) {                                  \
                         const float *vb = block + (h / group) * HD;                            \
                         const float *p = scores + h * max_len + start;                         \

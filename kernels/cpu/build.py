@@ -22,7 +22,14 @@ import threading
 from pathlib import Path
 
 HERE = Path(__file__).parent
-COMMON = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
+COMMON = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fopenmp",
+    "-fPIC",
+    "-Werror=implicit-function-declaration",
+]
 # Each source with its own rounding: attention may fuse multiply-adds (and lets its exponential's
 # floor vectorize); the elementwise ops round every product and sum as torch does.
 SOURCES = {
@@ -104,7 +111,9 @@ def build() -> Path:
             _run([cc, *COMMON, *flags, "-c", str(HERE / name), "-o", str(obj)], name)
             objects.append(str(obj))
         lib = Path(tmp) / "lib.so"
-        _run([cc, "-shared", "-fopenmp", *objects, "-o", str(lib)], "linking")
+        # --no-undefined: a missing symbol fails here, with the compiler's message, not at load.
+        _run([cc, "-shared", "-fopenmp", "-Wl,--no-undefined", *objects, "-o", str(lib)],
+             "linking")  # fmt: skip
         os.replace(lib, target)
     return target
 

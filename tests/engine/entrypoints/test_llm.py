@@ -6,7 +6,7 @@ import pytest
 
 from stepscope.engine import LLM, SamplingParams
 from stepscope.engine.config import EngineConfig
-from stepscope.engine.worker.attention import cpu_kernel_available
+from stepscope.kernels.cpu.build import available as cpu_kernel_available
 
 PROMPTS = [
     "Hello, my name is",

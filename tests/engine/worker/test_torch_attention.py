@@ -11,8 +11,8 @@ from stepscope.engine.worker.attention import (
     CpuAttentionBackend,
     SeqInfo,
     TorchAttentionBackend,
-    cpu_kernel_available,
 )
+from stepscope.kernels.cpu.build import available as cpu_kernel_available
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 4, 2, 32
