@@ -1,17 +1,31 @@
 """The model's matmuls (worker, stage 6): `y = x @ W.T` for every projection and the LM head.
 
-On a CPU with native bfloat16 matmul (AVX512_BF16 or AMX), oneDNN computes a bfloat16 linear
-from weights laid out in its own blocked format. Handed a plain [out, in] weight, as `F.linear`
-does, it reorders the whole weight on every call: for a decode step of a few tokens that copy
-costs more than the product. `OneDNNLinear` reorders each weight once at load, as vLLM's CPU
-backend does with its pre-packed oneDNN matmul handlers. Elsewhere (float32, where MKL reads the
-plain layout; GPUs) the weights stay as loaded and `F.linear` runs.
+A plain GEMM call repacks its weight into the library's blocked layout on every call. At decode
+sizes (a few to a few dozen tokens) that copy costs as much as the product, so on the CPU each
+weight is packed once at load, as vLLM's CPU backend does with its pre-packed matmul handlers:
+
+- bfloat16, on a CPU with native bfloat16 matmul (AVX512_BF16 or AMX): oneDNN's layout
+  (`OneDNNLinear`).
+- float32, where torch ships MKL (x86_64 wheels): MKL's packed GEMM (`cblas_sgemm_pack` once,
+  `cblas_sgemm_compute` per call; `MklPackedLinear`), called through ctypes from the MKL inside
+  torch's own library. 1.4-2.7x faster than `F.linear` from 8 to 48 tokens, the same at 1,024
+  (docs/benchmarks.md).
+
+Elsewhere (GPUs, other dtypes, CPUs without these libraries) the weights stay as loaded and
+`F.linear` runs.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 class Linear:
@@ -37,13 +51,112 @@ class OneDNNLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
+# CBLAS enum values (mkl_cblas.h).
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
+
+
+def _load_mkl_sgemm_pack() -> ctypes.CDLL | None:
+    """torch's own library, if it carries MKL's packed GEMM (x86_64 builds do; else None)."""
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        lib = ctypes.CDLL(str(path))
+        get_size, pack, compute = (
+            lib.cblas_sgemm_pack_get_size,
+            lib.cblas_sgemm_pack,
+            lib.cblas_sgemm_compute,
+        )
+    except (OSError, AttributeError):
+        return None
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    get_size.restype = ctypes.c_size_t
+    get_size.argtypes = [i, i, i, i]
+    pack.argtypes = [i, i, i, i, i, i, f, p, i, p]
+    pack.restype = None
+    compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
+    compute.restype = None
+    return lib
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A weight [out_features, in_features] in MKL's packed layout. MKL's note: the buffer must
+    stay where it was packed (the layout holds addresses), so it is never copied or moved."""
+
+    buffer: torch.Tensor  # uint8, MKL's opaque packed layout
+    out_features: int
+    in_features: int
+
+
+class MklPackedLinear(Linear):
+    """float32 on CPU: each weight packed once into MKL's GEMM layout; the loaded weight is
+    dropped, so the model holds one copy."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def pack(self, weight: torch.Tensor) -> PackedWeight:  # [out, in] float32
+        n, k = weight.shape
+        weight = weight.contiguous()
+        # The layout of B does not depend on m (checked by `works`); 64 is any batch size.
+        size = self._lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, n, k)
+        buffer = torch.empty(size, dtype=torch.uint8, device=weight.device)
+        self._lib.cblas_sgemm_pack(
+            _ROW_MAJOR, _B_MATRIX, _TRANS, 64, n, k, 1.0, weight.data_ptr(), k, buffer.data_ptr()
+        )
+        return PackedWeight(buffer, n, k)
+
+    def __call__(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        n, k = weight.out_features, weight.in_features
+        if x.shape[-1] != k or x.dtype != torch.float32:
+            raise ValueError(f"expected float32 inputs of {k} features, got {x.dtype} {x.shape}")
+        rows = x.reshape(-1, k).contiguous()
+        m = rows.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+        if m:
+            self._lib.cblas_sgemm_compute(
+                _ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k,
+                rows.data_ptr(), k, weight.buffer.data_ptr(), n, 0.0, out.data_ptr(), n,
+            )  # fmt: skip
+        return out.view(*x.shape[:-1], n)
+
+    def works(self) -> bool:
+        """Packed products equal `F.linear`'s, to float32 rounding, at batch sizes unlike the
+        packing hint: the check that makes this path safe to pick."""
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(96, 80, generator=gen)
+        packed = self.pack(w)
+        for m in (1, 7, 64, 300):
+            x = torch.randn(m, 80, generator=gen)
+            if not torch.allclose(self(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5):
+                return False
+        return True
+
+
+_mkl_linear: MklPackedLinear | None | bool = False  # False: not looked for yet
+
+
+def _mkl_packed_linear() -> MklPackedLinear | None:
+    global _mkl_linear
+    if _mkl_linear is False:
+        lib = _load_mkl_sgemm_pack()
+        _mkl_linear = MklPackedLinear(lib) if lib is not None else None
+        if _mkl_linear is not None and not _mkl_linear.works():
+            logger.warning("MKL's packed GEMM disagrees with F.linear here; using F.linear")
+            _mkl_linear = None
+    return _mkl_linear
+
+
 def make_linear(device: torch.device, dtype: torch.dtype) -> Linear:
-    """The packed oneDNN path where it exists (bfloat16 on a CPU that runs it natively)."""
+    """The packed path where one exists: oneDNN for bfloat16 on a CPU that runs it natively,
+    MKL for float32 where torch carries it; else `F.linear`."""
+    if device.type != "cpu":
+        return Linear()
     if (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
+        dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     ):
         return OneDNNLinear()
+    if dtype == torch.float32 and (mkl := _mkl_packed_linear()) is not None:
+        return mkl
     return Linear()

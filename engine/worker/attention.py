@@ -39,8 +39,12 @@ class PaddedGroup:
     kv_blocks: torch.Tensor  # [B * max_blocks] block ids to gather (pads point to block 0)
     max_blocks: int
     # [B, 1, Qmax, max_blocks * block_size] bool, True where attended; None for a group of
-    # whole prompts (no earlier context), which attends its own fresh keys causally.
+    # whole prompts (no earlier context), which attends its own fresh keys causally, and for
+    # a lone prompt chunk after cached context (context_len > 0).
     mask: torch.Tensor | None
+    # A lone prompt chunk's cached context: its first context_len keys, read through kv_blocks
+    # and attended without a mask; its own keys attend causally (two calls, merged).
+    context_len: int = 0
 
 
 @dataclass(slots=True)
@@ -133,6 +137,11 @@ class TorchForwardOps(ForwardOps):
     def silu_and_mul(self, x):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place: one activation-sized buffer fewer per layer
+
+
+def _is_fresh_prompt(s: SeqInfo) -> bool:
+    """A whole prompt in this step: nothing cached before it."""
+    return 1 < s.query_len == s.seq_len
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -278,6 +287,11 @@ class TorchAttentionBackend(AttentionBackend):
     MIN_SPLIT_TOKENS = 4096
     # Groups of whole prompts attend their own keys with a causal SDPA: no gather, no mask.
     CAUSAL_PROMPTS = True
+    # A prompt chunk after cached context, alone in its group, attends that context and its own
+    # keys in two SDPA calls without a mask, merged by their log-sum-exps (CPU only: the merge
+    # needs the log-sum-exp that only the CPU flash kernel returns). With one mask over both,
+    # SDPA computes every (query, key) pair of the chunk's own keys, the masked half included.
+    SPLIT_CHUNKS = True
     DECODES_IN_KERNEL = False  # the cpu backend attends decodes in its kernel, not in groups
 
     def __init__(self, block_size: int, device: torch.device) -> None:
@@ -297,17 +311,31 @@ class TorchAttentionBackend(AttentionBackend):
         if any(s.query_len == 1 for s in seqs[num_decodes:]):
             raise ValueError("decode requests must come before prefills in the batch")
         groups = []
+        split_chunks = self.SPLIT_CHUNKS and self.device.type == "cpu"
         kinds = ((0, num_decodes), (num_decodes, len(seqs)))
         for kind in kinds[1:] if self.DECODES_IN_KERNEL else kinds:
             for first, last in self._split(seqs, *kind):
-                rows = seqs[first:last]
-                if self.CAUSAL_PROMPTS and all(1 < s.query_len == s.seq_len for s in rows):
-                    groups.append(self._fresh_group(first, last, seqs, query_start_loc))
-                else:
-                    groups.append(
-                        self._padded_group(first, last, seqs, query_start_loc, block_tables)
-                    )
+                for a, b in self._runs_of_fresh_prompts(seqs, first, last):
+                    rows = seqs[a:b]
+                    if self.CAUSAL_PROMPTS and _is_fresh_prompt(rows[0]):
+                        groups.append(self._fresh_group(a, b, seqs, query_start_loc))
+                    elif split_chunks and b - a == 1 and 1 < rows[0].query_len < rows[0].seq_len:
+                        groups.append(self._chunk_group(a, seqs, query_start_loc, block_tables))
+                    else:
+                        groups.append(self._padded_group(a, b, seqs, query_start_loc, block_tables))
         return groups
+
+    @staticmethod
+    def _runs_of_fresh_prompts(seqs: list[SeqInfo], first: int, last: int) -> list[tuple[int, int]]:
+        """Rows [first, last) cut where whole prompts give way to rows with context, or back:
+        whole prompts attend without a gather or mask, so they are never padded with the rest."""
+        runs, start = [], first
+        for i in range(first + 1, last):
+            if _is_fresh_prompt(seqs[i]) != _is_fresh_prompt(seqs[start]):
+                runs.append((start, i))
+                start = i
+        runs.append((start, last))
+        return runs
 
     def _split(self, seqs: list[SeqInfo], first: int, last: int) -> list[tuple[int, int]]:
         """Cut rows [first, last) into runs whose padded query and key lengths stay within
@@ -388,6 +416,24 @@ class TorchAttentionBackend(AttentionBackend):
             mask=None,
         )
 
+    def _chunk_group(
+        self, i: int, seqs: list[SeqInfo], query_start_loc: torch.Tensor, block_tables: torch.Tensor
+    ) -> PaddedGroup:
+        """A prompt chunk with context_len cached keys before it (seqs[i] alone)."""
+        s = seqs[i]
+        context_len = s.seq_len - s.query_len
+        blocks = -(-context_len // self.block_size)
+        dev = self.device
+        return PaddedGroup(
+            q_index=None,
+            rows=slice(int(query_start_loc[i]), int(query_start_loc[i + 1])),
+            q_valid=None,
+            kv_blocks=block_tables[i, :blocks].long().to(dev),
+            max_blocks=blocks,
+            mask=None,
+            context_len=context_len,
+        )
+
     def _gather(self, cache: torch.Tensor, which: str, g: PaddedGroup) -> torch.Tensor:
         n = g.kv_blocks.numel()
         block_numel = cache[0].numel()
@@ -412,6 +458,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
         for g in meta.groups:
+            if g.context_len:
+                out[g.rows] = self._attend_chunk(q, k, v, k_cache, v_cache, g, scale)
+                continue
             if g.mask is None:  # whole prompts: their own keys, causally
                 qg, kg, vg = (t[g.q_index].transpose(1, 2) for t in (q, k, v))
                 og = F.scaled_dot_product_attention(
@@ -432,6 +481,21 @@ class TorchAttentionBackend(AttentionBackend):
                 out[g.rows] = og[:, :, 0, :]
             else:
                 out[g.rows] = og.transpose(1, 2)[g.q_valid]
+
+    def _attend_chunk(self, q, k, v, k_cache, v_cache, g: PaddedGroup, scale: float):
+        """softmax over [context keys | own keys] from the two halves: each half's output o_i
+        and log-sum-exp l_i of its scores weigh in by exp(l_i - l), l = log(e^l_1 + e^l_2)."""
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        qg = q[g.rows].transpose(0, 1)[None]  # [1, H, Q, D]
+        kc = self._gather(k_cache, "k", g)[:, :, : g.context_len]  # [1, KVH, context, D]
+        vc = self._gather(v_cache, "v", g)[:, :, : g.context_len]
+        o_ctx, lse_ctx = flash(qg, kc, vc, 0.0, False, scale=scale)
+        kn, vn = (t[g.rows].transpose(0, 1)[None] for t in (k, v))
+        o_own, lse_own = flash(qg, kn, vn, 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_ctx, lse_own)[..., None]  # [1, H, Q, 1] float32
+        o = o_ctx.float() * torch.exp(lse_ctx[..., None] - lse)
+        o += o_own.float() * torch.exp(lse_own[..., None] - lse)
+        return o[0].transpose(0, 1).to(q.dtype)  # [Q, H, D]
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

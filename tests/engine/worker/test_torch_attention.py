@@ -58,10 +58,10 @@ def test_requests_of_different_lengths_get_their_own_groups() -> None:
 def test_splitting_changes_nothing_in_the_result() -> None:
     split = TorchAttentionBackend(BLOCK, torch.device("cpu"))
     whole = TorchAttentionBackend(BLOCK, torch.device("cpu"))
-    whole.MIN_SPLIT_TOKENS = 10**12  # one decode group and one prefill group
+    whole.MIN_SPLIT_TOKENS = 10**12  # one decode group; prefills cut only where fresh or not
     got, n_split = _attend(split, LENGTHS)
     ref, n_whole = _attend(whole, LENGTHS)
-    assert (n_split, n_whole) == (6, 2)
+    assert (n_split, n_whole) == (6, 4)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -88,7 +88,58 @@ def test_cpu_backend_gives_the_torch_backends_result() -> None:
     cpu = CpuAttentionBackend(BLOCK, torch.device("cpu"))
     meta = cpu.build_metadata(*_batch(LENGTHS)[:2])
     assert meta.num_decodes == 5 and meta.max_decode_len == 900
-    assert all(g.q_index is not None for g in meta.groups)  # decodes go to the kernel
+    assert all(g.rows.start >= 5 for g in meta.groups)  # decodes go to the kernel
     got, _ = _attend(cpu, LENGTHS)
     ref, _ = _attend(TorchAttentionBackend(BLOCK, torch.device("cpu")), LENGTHS)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bf16"]
+)
+def test_a_chunk_after_its_context_attends_it_unmasked_and_agrees(dtype, tol) -> None:
+    split = TorchAttentionBackend(BLOCK, torch.device("cpu"))
+    masked = TorchAttentionBackend(BLOCK, torch.device("cpu"))
+    masked.SPLIT_CHUNKS = False
+    # A decode, a whole prompt, a chunk after 260 cached tokens, one after 700 (a prefix hit).
+    lengths = [(1, 50), (24, 24), (40, 300), (200, 900)]
+    seqs, slots, _ = _batch(lengths)
+    groups = split.build_metadata(seqs, slots).groups
+    chunks = [g for g in groups if g.context_len]
+    assert [g.context_len for g in chunks] == [260, 700]
+    assert all(g.mask is None and g.max_blocks == -(-g.context_len // BLOCK) for g in chunks)
+    assert all(not g.context_len for g in masked.build_metadata(seqs, slots).groups)
+    got = _attend_in(split, lengths, dtype)
+    ref = _attend_in(masked, lengths, dtype)
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+def test_chunks_sharing_a_group_keep_the_mask_and_whole_prompts_stay_apart() -> None:
+    backend = TorchAttentionBackend(BLOCK, torch.device("cpu"))
+    backend.MIN_SPLIT_TOKENS = 10**12  # no cuts by length: only fresh against not
+    seqs, slots, _ = _batch([(24, 24), (40, 300), (50, 320), (30, 30)])
+    groups = backend.build_metadata(seqs, slots).groups
+    # Whole prompt | two chunks with context (one padded, masked call) | whole prompt.
+    assert [(g.mask is None, g.context_len) for g in groups] == [
+        (True, 0),
+        (False, 0),
+        (True, 0),
+    ]
+
+
+def _attend_in(backend: TorchAttentionBackend, lengths, dtype: torch.dtype) -> torch.Tensor:
+    """`_attend` with every tensor in `dtype`."""
+    seqs, slots, num_blocks = _batch(lengths)
+    g = torch.Generator().manual_seed(1)
+    tokens = sum(q for q, _ in lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    k_cache, v_cache = (
+        randn(num_blocks, BLOCK, KV_HEADS, DIM),
+        randn(num_blocks, BLOCK, KV_HEADS, DIM),
+    )
+    q, k, v = randn(tokens, HEADS, DIM), randn(tokens, KV_HEADS, DIM), randn(tokens, KV_HEADS, DIM)
+    meta = backend.build_metadata(seqs, slots)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, DIM**-0.5).float()
