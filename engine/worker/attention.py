@@ -462,11 +462,15 @@ class TorchAttentionBackend(AttentionBackend):
                 out[g.rows] = self._attend_chunk(q, k, v, k_cache, v_cache, g, scale)
                 continue
             if g.mask is None:  # whole prompts: their own keys, causally
-                qg, kg, vg = (t[g.q_index].transpose(1, 2) for t in (q, k, v))
+                alone = g.q_index.shape[0] == 1  # one prompt: its rows as they lie, no padding
+                if alone:
+                    qg, kg, vg = (t[g.rows].transpose(0, 1)[None] for t in (q, k, v))
+                else:
+                    qg, kg, vg = (t[g.q_index].transpose(1, 2) for t in (q, k, v))
                 og = F.scaled_dot_product_attention(
                     qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True
                 )
-                out[g.rows] = og.transpose(1, 2)[g.q_valid]
+                out[g.rows] = og[0].transpose(0, 1) if alone else og.transpose(1, 2)[g.q_valid]
                 continue
             kg = self._gather(k_cache, "k", g)
             vg = self._gather(v_cache, "v", g)
