@@ -69,6 +69,120 @@ static inline void softmax_row(float *row, int64_t n) {
     for (int64_t t = 0; t < n; t++) row[t] *= inv;
 }
 
+/* The two passes over one block for head_dim 64 in AVX-512, where the compiler has it. The
+ * portable loops below leave the multiply-adds waiting on each other: pass 1 ends every dot
+ * product in a horizontal sum of its own, and pass 2 chains each sum through the block's
+ * keys one head at a time. On these CPUs a decode's compute and its memory reads barely
+ * overlap, so the instructions saved are time saved (docs/benchmarks.md). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+
+/* Lane t of the result: the sum of the 16 lanes of r[t]. */
+static inline __m512 sum_lanes_16(const __m512 r[16]) {
+    __m512 u[8], w[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]),
+                             _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per chunk: the chunk's sums of keys 4i .. 4i+3 */
+        const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* Sum each w[i]'s four chunks into chunk i. */
+    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Pass 1, 16 keys (rows key_stride apart): scores[h * max_len + t] for every query head. */
+static inline void scores_16_d64(const float *keys, int64_t key_stride, int64_t num_kv_heads,
+                                 int64_t group, const float *qs, float *scores, int64_t max_len,
+                                 float scale) {
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
+        const float *kb = keys + kv_head * 64;
+        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h++) {
+            const __m512 q0 = _mm512_loadu_ps(qs + h * 64), q1 = _mm512_loadu_ps(qs + h * 64 + 16);
+            const __m512 q2 = _mm512_loadu_ps(qs + h * 64 + 32);
+            const __m512 q3 = _mm512_loadu_ps(qs + h * 64 + 48);
+            __m512 r[16];
+            for (int t = 0; t < 16; t++) {
+                const float *k = kb + t * key_stride;
+                __m512 s = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+                s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), s);
+                s = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), s);
+                r[t] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), s);
+            }
+            _mm512_storeu_ps(scores + h * max_len, _mm512_mul_ps(sum_lanes_16(r), _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+/* Pass 2 for N query heads of one KV head: each value row is read once for all N, and the
+ * N * 4 sums are independent chains held in registers. */
+#define DEFINE_VALUES_D64(N)                                                                   \
+    static inline void values_##N##_d64(const float *vb, int64_t n, int64_t key_stride,        \
+                                        const float *p, int64_t max_len, float *acc) {         \
+        __m512 a[N][4];                                                                        \
+        for (int i = 0; i < N; i++)                                                            \
+            for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + i * 64 + c * 16);       \
+        for (int64_t t = 0; t < n; t++) {                                                      \
+            const float *v = vb + t * key_stride;                                              \
+            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);                \
+            const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);           \
+            for (int i = 0; i < N; i++) {                                                      \
+                const __m512 w = _mm512_set1_ps(p[i * max_len + t]);                           \
+                a[i][0] = _mm512_fmadd_ps(w, v0, a[i][0]);                                     \
+                a[i][1] = _mm512_fmadd_ps(w, v1, a[i][1]);                                     \
+                a[i][2] = _mm512_fmadd_ps(w, v2, a[i][2]);                                     \
+                a[i][3] = _mm512_fmadd_ps(w, v3, a[i][3]);                                     \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < N; i++)                                                            \
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + i * 64 + c * 16, a[i][c]);       \
+    }
+DEFINE_VALUES_D64(1)
+DEFINE_VALUES_D64(2)
+DEFINE_VALUES_D64(3)
+DEFINE_VALUES_D64(4)
+
+/* Pass 2 over one block: for each KV head, its query heads four (or fewer) at a time. p is
+ * the probabilities at the block's first key, acc the [num_heads][64] sums. */
+static inline void values_block_d64(const float *block, int64_t n, int64_t key_stride,
+                                    int64_t num_kv_heads, int64_t group, const float *p,
+                                    int64_t max_len, float *acc) {
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
+        const float *vb = block + kv_head * 64;
+        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += 4) {
+            const int64_t left = (kv_head + 1) * group - h;
+            const float *ph = p + h * max_len;
+            float *ah = acc + h * 64;
+            if (left >= 4) values_4_d64(vb, n, key_stride, ph, max_len, ah);
+            else if (left == 3) values_3_d64(vb, n, key_stride, ph, max_len, ah);
+            else if (left == 2) values_2_d64(vb, n, key_stride, ph, max_len, ah);
+            else values_1_d64(vb, n, key_stride, ph, max_len, ah);
+        }
+    }
+}
+#else
+#define HAVE_AVX512 0
+static inline void scores_16_d64(const float *keys, int64_t key_stride, int64_t num_kv_heads,
+                                 int64_t group, const float *qs, float *scores, int64_t max_len,
+                                 float scale) {
+    (void)keys, (void)key_stride, (void)num_kv_heads, (void)group, (void)qs, (void)scores,
+        (void)max_len, (void)scale;
+}
+static inline void values_block_d64(const float *block, int64_t n, int64_t key_stride,
+                                    int64_t num_kv_heads, int64_t group, const float *p,
+                                    int64_t max_len, float *acc) {
+    (void)block, (void)n, (void)key_stride, (void)num_kv_heads, (void)group, (void)p,
+        (void)max_len, (void)acc;
+}
+#endif
+
 /* HD is the head dimension: a literal for the common sizes, so that the loops over it unroll
  * and the accumulators stay in registers, or `head_dim` itself for any other size. */
 /* The block of `table` holding token `start` of `cache`, as float32 (through WIDEN), with the
@@ -117,9 +231,14 @@ static inline void softmax_row(float *row, int64_t n) {
                 for (int64_t start = 0; start < len; start += block_size) {                    \
                     const int64_t n = len - start < block_size ? len - start : block_size;     \
                     const float *block = BLOCK_AT(k_cache, start, n, WIDEN);                   \
-                    for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {             \
+                    int64_t t0 = 0; /* keys done in tiles of 16 */                             \
+                    if (HAVE_AVX512 && HD == 64)                                               \
+                        for (; t0 + 16 <= n; t0 += 16)                                         \
+                            scores_16_d64(block + t0 * key_stride, key_stride, num_kv_heads,   \
+                                          group, qs, scores + start + t0, max_len, scale);     \
+                    for (int64_t kv_head = 0; kv_head < num_kv_heads && t0 < n; kv_head++) {   \
                         const float *kb = block + kv_head * HD;                                \
-                        int64_t t = 0;                                                         \
+                        int64_t t = t0;                                                        \
                         for (; t + 4 <= n; t += 4) {                                           \
                             const float *k0 = kb + t * key_stride, *k1 = k0 + key_stride;      \
                             const float *k2 = k1 + key_stride, *k3 = k2 + key_stride;          \
@@ -157,6 +276,11 @@ static inline void softmax_row(float *row, int64_t n) {
                 for (int64_t start = 0; start < len; start += block_size) {                    \
                     const int64_t n = len - start < block_size ? len - start : block_size;     \
                     const float *block = BLOCK_AT(v_cache, start, n, WIDEN);                   \
+                    if (HAVE_AVX512 && HD == 64) {                                             \
+                        values_block_d64(block, n, key_stride, num_kv_heads, group,            \
+                                         scores + start, max_len, acc);                        \
+                        continue;                                                              \
+                    }                                                                          \
                     for (int64_t h = 0; h < num_heads; h++) {                                  \
                         const float *vb = block + (h / group) * HD;                            \
                         const float *p = scores + h * max_len + start;                         \

@@ -33,14 +33,27 @@ def _paged_context(dtype, lengths, block_size=16, num_kv_heads=3, head_dim=64, s
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=["float32", "bfloat16"])
+# head_dim 64 runs the AVX-512 block routines where the CPU has them: groups of 3, 4 and
+# 5 query heads (their heads taken 4 at a time, then the rest) and 1, blocks of 16 and 32 keys
+# (one or two tiles of 16). The others run the portable loops.
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 48)]
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (9, 3, 64, 16),
+        (8, 2, 64, 16),
+        (10, 2, 64, 32),
+        (2, 2, 64, 16),
+        (4, 4, 128, 16),
+        (6, 2, 48, 16),
+    ],
 )
-def test_decode_attention_matches_the_reference(dtype, num_heads, num_kv_heads, head_dim):
+def test_decode_attention_matches_the_reference(
+    dtype, num_heads, num_kv_heads, head_dim, block_size
+):
     # Lengths: one token, a partial block, exactly one block, many blocks with a partial end.
     lengths = [1, 7, 16, 17, 300, 1000]
     k_cache, v_cache, table, seq_lens = _paged_context(
-        dtype, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim
+        dtype, lengths, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim
     )
     q = torch.randn(len(lengths), num_heads, head_dim).to(dtype)
     got = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, head_dim**-0.5)
