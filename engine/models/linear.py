@@ -18,6 +18,7 @@ Elsewhere (GPUs, other dtypes, CPUs without these libraries) the weights stay as
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ class OneDNNLinear(Linear):
 
 # CBLAS enum values (mkl_cblas.h).
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
+# The batch size MKL is told at packing; B's packed layout does not depend on it (`works`).
+_PACK_M = 64
 
 
 def _load_mkl_sgemm_pack() -> ctypes.CDLL | None:
@@ -97,11 +100,19 @@ class MklPackedLinear(Linear):
     def pack(self, weight: torch.Tensor) -> PackedWeight:  # [out, in] float32
         n, k = weight.shape
         weight = weight.contiguous()
-        # The layout of B does not depend on m (checked by `works`); 64 is any batch size.
-        size = self._lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, n, k)
+        size = self._lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_M, n, k)
         buffer = torch.empty(size, dtype=torch.uint8, device=weight.device)
         self._lib.cblas_sgemm_pack(
-            _ROW_MAJOR, _B_MATRIX, _TRANS, 64, n, k, 1.0, weight.data_ptr(), k, buffer.data_ptr()
+            _ROW_MAJOR,
+            _B_MATRIX,
+            _TRANS,
+            _PACK_M,
+            n,
+            k,
+            1.0,
+            weight.data_ptr(),
+            k,
+            buffer.data_ptr(),
         )
         return PackedWeight(buffer, n, k)
 
@@ -132,18 +143,17 @@ class MklPackedLinear(Linear):
         return True
 
 
-_mkl_linear: MklPackedLinear | None | bool = False  # False: not looked for yet
-
-
+@functools.cache
 def _mkl_packed_linear() -> MklPackedLinear | None:
-    global _mkl_linear
-    if _mkl_linear is False:
-        lib = _load_mkl_sgemm_pack()
-        _mkl_linear = MklPackedLinear(lib) if lib is not None else None
-        if _mkl_linear is not None and not _mkl_linear.works():
-            logger.warning("MKL's packed GEMM disagrees with F.linear here; using F.linear")
-            _mkl_linear = None
-    return _mkl_linear
+    """The MKL path, looked for once per process; None where torch lacks it or it disagrees."""
+    lib = _load_mkl_sgemm_pack()
+    if lib is None:
+        return None
+    linear = MklPackedLinear(lib)
+    if not linear.works():
+        logger.warning("MKL's packed GEMM disagrees with F.linear here; using F.linear")
+        return None
+    return linear
 
 
 def make_linear(device: torch.device, dtype: torch.dtype) -> Linear:

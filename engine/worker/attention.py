@@ -144,6 +144,12 @@ def _is_fresh_prompt(s: SeqInfo) -> bool:
     return 1 < s.query_len == s.seq_len
 
 
+def _one_request(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """One request's rows [tokens, heads, D] as SDPA's batch of one, [1, heads, tokens, D]: a
+    view, no copy."""
+    return t[rows].transpose(0, 1)[None]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -464,7 +470,7 @@ class TorchAttentionBackend(AttentionBackend):
             if g.mask is None:  # whole prompts: their own keys, causally
                 alone = g.q_index.shape[0] == 1  # one prompt: its rows as they lie, no padding
                 if alone:
-                    qg, kg, vg = (t[g.rows].transpose(0, 1)[None] for t in (q, k, v))
+                    qg, kg, vg = (_one_request(t, g.rows) for t in (q, k, v))
                 else:
                     qg, kg, vg = (t[g.q_index].transpose(1, 2) for t in (q, k, v))
                 og = F.scaled_dot_product_attention(
@@ -490,11 +496,11 @@ class TorchAttentionBackend(AttentionBackend):
         """softmax over [context keys | own keys] from the two halves: each half's output o_i
         and log-sum-exp l_i of its scores weigh in by exp(l_i - l), l = log(e^l_1 + e^l_2)."""
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        qg = q[g.rows].transpose(0, 1)[None]  # [1, H, Q, D]
+        qg = _one_request(q, g.rows)  # [1, H, Q, D]
         kc = self._gather(k_cache, "k", g)[:, :, : g.context_len]  # [1, KVH, context, D]
         vc = self._gather(v_cache, "v", g)[:, :, : g.context_len]
         o_ctx, lse_ctx = flash(qg, kc, vc, 0.0, False, scale=scale)
-        kn, vn = (t[g.rows].transpose(0, 1)[None] for t in (k, v))
+        kn, vn = (_one_request(t, g.rows) for t in (k, v))
         o_own, lse_own = flash(qg, kn, vn, 0.0, True, scale=scale)
         lse = torch.logaddexp(lse_ctx, lse_own)[..., None]  # [1, H, Q, 1] float32
         o = o_ctx.float() * torch.exp(lse_ctx[..., None] - lse)
