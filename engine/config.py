@@ -71,6 +71,8 @@ class EngineConfig:
     collector_endpoint: str | None = None
     otlp_endpoint: str | None = None
     trace_steps: str = "all"
+    # The prompt and the generated text on each request span (off: prompts can be private).
+    trace_content: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -11,6 +11,8 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 # OpenAI's range for a logit bias.
 MAX_LOGIT_BIAS = 100.0
+# OpenAI's range for presence_penalty and frequency_penalty.
+MAX_PENALTY = 2.0
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -39,11 +41,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before sampling (OpenAI's `logit_bias`).
     logit_bias: dict[int, float] | None = None
+    # OpenAI's and vLLM's penalties, held to their ranges; the sampler does not apply them yet.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("temperature", "top_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         for name in (
@@ -77,6 +89,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                    f"got {getattr(self, name)}"
+                )
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:

@@ -7,9 +7,16 @@ keep arriving.
 
 Routes: `POST /v1/traces` (OTLP, application/x-protobuf, gzip or deflate allowed), `GET /stats`,
 `POST /query` (one read-only SELECT; JSON `{"sql": ..., "params": [...]}` or the SQL as text;
-`GET /query?sql=...` too), `POST /flush` (wait until every accepted span is in the file) and
-`GET /health`. Other code in this process (the Panel dashboard) adds routes with `add_route` or
-runs beside it through `run_collector(extensions=["module:function"])`.
+`GET /query?sql=...` too), `POST /flush` (wait until every accepted span is in the file),
+`POST /report` (a process's span counts as it stops) and `GET /health`. Other code in this
+process (the Panel dashboard) adds routes with `add_route` or runs beside it through
+`run_collector(extensions=["module:function"])`.
+
+Started by a parent (`start_collector_process`), the collector is the last process of a run to
+stop: it ignores SIGINT, SIGHUP and SIGTERM, which a terminal or a process manager may send to
+the whole process group while the other processes still export, and closes the file when its
+parent says so (by closing the collector's stdin, once every other process has flushed) or is
+gone. Its last line on stdout holds the run's span counts, for the parent's closing line.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from stepscope.traces import names as n
 from stepscope.traces.process import watch_parent
 from stepscope.traces.store import SpanBatch, TraceStore
 
@@ -54,6 +62,7 @@ logger = logging.getLogger(__name__)
 MAX_QUEUED_BATCHES = 1024  # one batch per export request: ~2M spans at the SDK's batch size
 MAX_INSERT_ROWS = 65_536  # the writer coalesces queued batches up to this many spans per INSERT
 QUEUE_FULL_WAIT_S = 5.0  # an export waits this long for room before it is told to retry
+CLOSE_TIMEOUT_S = 60.0  # a parent waits this long for the collector to close the file
 # Each INSERT costs ~2 ms of CPU whatever its size, and the engine's processes export every two
 # seconds: the writer gathers what arrives within this window into one INSERT (a flush or close
 # cuts the wait short), so tracing takes fewer cycles from the model on a small machine.
@@ -103,6 +112,8 @@ class Collector:
         self.dropped = 0
         self.rejected = 0
         self.bad_requests = 0
+        self.senders: dict[int, str] = {}  # process.pid -> service.name of every span sender
+        self.reports: dict[int, dict[str, Any]] = {}  # process.pid -> its counts as it stopped
         self._counts_lock = threading.Lock()
         self._queue: queue.Queue[SpanBatch | None] = queue.Queue(MAX_QUEUED_BATCHES)
         self._insert_now = threading.Event()  # set by flush/close: insert without waiting
@@ -116,6 +127,7 @@ class Collector:
         self.add_route("POST", "/query", self._handle_query)
         self.add_route("GET", "/query", self._handle_query)
         self.add_route("POST", "/flush", self._handle_flush)
+        self.add_route("POST", "/report", self._handle_report)
         self.server = ThreadingHTTPServer((host, port), _RequestHandler)
         self.server.daemon_threads = True
         self.server.collector = self  # type: ignore[attr-defined]
@@ -149,8 +161,9 @@ class Collector:
         self._writer.start()
         self._serve_thread.start()
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Stop taking spans, insert every accepted one, checkpoint and close the file."""
+    def close(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Stop taking spans, insert every accepted one, checkpoint and close the file; returns
+        the run's counts (`summary`)."""
         with self._submit_lock:
             self._closing = True
         self.server.shutdown()
@@ -159,7 +172,28 @@ class Collector:
         self._insert_now.set()
         self._writer.join(timeout_s)
         self.store.close()
-        logger.info("collector closed: %s", self.stats())
+        summary = self.summary()
+        logger.info("collector closed: %s", summary)
+        return summary
+
+    def summary(self) -> dict[str, Any]:
+        """Spans in the file, and spans lost on the way to it: those its senders reported lost
+        (full queue, failed export) plus those the writer failed to insert. A process that sent
+        spans and never reported (it was killed) is named in `silent`."""
+        with self._counts_lock:
+            reports = dict(self.reports)
+            silent = {pid: svc for pid, svc in self.senders.items() if pid not in reports}
+            lost_by = {
+                f"{r['service']} (pid {pid})": r["lost"] for pid, r in reports.items() if r["lost"]
+            }
+            return {
+                "spans": self.inserted,
+                "lost": sum(lost_by.values()) + self.dropped,
+                "lost_by": lost_by,
+                "insert_failed": self.dropped,
+                "processes": len(self.senders.keys() | reports.keys()),
+                "silent": [f"{svc} (pid {pid})" for pid, svc in silent.items()],
+            }
 
     # ---- ingestion ------------------------------------------------------------------------
     def _handle_traces(self, request: HttpRequest) -> HttpResponse:
@@ -181,11 +215,47 @@ class Collector:
             return HttpResponse.json({"error": f"bad OTLP request: {error}"}, 400)
         batch = SpanBatch()
         batch.add_otlp(message)
+        self._note_senders(message)
         if not self.submit(batch):
             return HttpResponse(503, b"", headers={"Retry-After": "1"})
         return HttpResponse(
             200, ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf"
         )
+
+    def _note_senders(self, message: ExportTraceServiceRequest) -> None:
+        for resource_spans in message.resource_spans:
+            pid, service = None, ""
+            for kv in resource_spans.resource.attributes:
+                if kv.key == n.PROCESS_PID:
+                    pid = kv.value.int_value
+                elif kv.key == n.SERVICE_NAME:
+                    service = kv.value.string_value
+            if pid is not None and pid not in self.senders:
+                with self._counts_lock:
+                    self.senders[pid] = service
+
+    def _handle_report(self, request: HttpRequest) -> HttpResponse:
+        try:
+            report = json.loads(request.body)
+            pid = int(report["pid"])
+            counts = {
+                "service": str(report["service"]),
+                "ended": int(report["ended"]),
+                "lost": int(report["lost"]),
+            }
+        except (ValueError, KeyError, TypeError) as error:
+            return HttpResponse.json({"error": f"bad report: {error!r}"}, 400)
+        with self._counts_lock:
+            self.reports[pid] = counts
+        if counts["lost"]:
+            logger.warning(
+                "collector: %s (pid %d) lost %d of its %d spans",
+                counts["service"],
+                pid,
+                counts["lost"],
+                counts["ended"],
+            )
+        return HttpResponse.json({"ok": True})
 
     def submit(self, batch: SpanBatch) -> bool:
         """Queue a batch for the writer; False (counted as rejected) when full or closing."""
@@ -359,12 +429,16 @@ def run_collector(
     port: int = 0,
     ready_queue: Any = None,
     extensions: Sequence[str] = (),
+    parent_pid: int | None = None,
 ) -> None:
-    """The collector process's main: serve until SIGTERM/SIGINT, then flush and close the file.
+    """The collector process's main: serve until told to stop, then flush and close the file.
 
-    Puts `("ready", url)` (or `("error", message)`) on `ready_queue`. Each extension
-    `"module:function"` is called with the `Collector` before serving (e.g. to add dashboard
-    routes or start a Panel server thread that queries `collector.store.cursor()`).
+    Alone, SIGTERM or SIGINT stops it. With a `parent_pid`, it stops when its stdin reaches its
+    end (the parent closed it, or died) or the parent is gone, and ignores the signals a
+    terminal or a process manager sends the whole process group. Puts `("ready", url)` (or
+    `("error", message)`) on `ready_queue`, and `("closed", counts)` once the file is closed.
+    Each extension `"module:function"` is called with the `Collector` before serving (e.g. to
+    add dashboard routes or start a Panel server thread that queries `collector.store.cursor()`).
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s collector %(message)s")
@@ -377,7 +451,10 @@ def run_collector(
             ready_queue.put(("error", f"{type(error).__name__}: {error}"))
         raise
     stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():
+    if parent_pid is not None:
+        watch_parent(parent_pid, stop.set)
+        threading.Thread(target=_stop_at_stdin_end, args=(stop,), daemon=True).start()
+    elif threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
     collector.start()
@@ -386,19 +463,30 @@ def run_collector(
         ready_queue.put(("ready", collector.url))
     while not stop.wait(0.5):
         pass
-    collector.close()
+    summary = collector.close()
+    if ready_queue is not None:
+        ready_queue.put(("closed", json.dumps(summary)))
+
+
+def _stop_at_stdin_end(stop: threading.Event) -> None:
+    """Read stdin until its end: the parent closed it (stop now) or died."""
+    with contextlib.suppress(OSError, ValueError):
+        while sys.stdin.buffer.read(4096):
+            pass
+    stop.set()
 
 
 class CollectorProcess:
     """The collector as a child process: a fresh interpreter (`python -m
     stepscope.traces.collector`), so no caller needs a `__main__` guard, with the small part of
-    multiprocessing's Process interface that callers use."""
+    multiprocessing's Process interface that callers use. `close_file()` tells it to flush and
+    close the file (it ignores the signals that `terminate()` would send)."""
 
     def __init__(self, popen: subprocess.Popen) -> None:
         self.popen = popen
         self.pid = popen.pid
         # If the caller forgets to stop it, stop it (flushing the file) at interpreter exit.
-        self._finalizer = weakref.finalize(self, _terminate_and_wait, popen)
+        self._finalizer = weakref.finalize(self, _close_and_wait, popen)
 
     def is_alive(self) -> bool:
         return self.popen.poll() is None
@@ -407,9 +495,11 @@ class CollectorProcess:
     def exitcode(self) -> int | None:
         return self.popen.poll()
 
-    def terminate(self) -> None:
-        if self.is_alive():
-            self.popen.terminate()
+    def close_file(self) -> None:
+        """Ask the collector to insert what it holds, close the file and exit."""
+        if self.popen.stdin is not None and not self.popen.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.popen.stdin.close()
 
     def kill(self) -> None:
         if self.is_alive():
@@ -422,11 +512,12 @@ class CollectorProcess:
             self.popen.stdout.close()
 
 
-def _terminate_and_wait(popen: subprocess.Popen) -> None:
-    if popen.poll() is None:
-        popen.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            popen.wait(60)
+def _close_and_wait(popen: subprocess.Popen) -> None:
+    if popen.stdin is not None:
+        with contextlib.suppress(OSError):
+            popen.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        popen.wait(CLOSE_TIMEOUT_S)
 
 
 def start_collector_process(
@@ -442,7 +533,8 @@ def start_collector_process(
     cmd += ["--port", str(port), "--announce", "--parent-pid", str(os.getpid())]
     for spec in extensions:
         cmd += ["--extension", spec]
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    # Its stdin is how we tell it to close the file (and how it learns that we died).
+    popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     process = CollectorProcess(popen)
     assert popen.stdout is not None
     ready = selectors.DefaultSelector()
@@ -463,16 +555,53 @@ def start_collector_process(
             raise TimeoutError(f"collector not ready after {timeout_s} s")
 
 
-def stop_collector_process(process: CollectorProcess, timeout_s: float = 60.0) -> int | None:
-    """SIGTERM (the collector flushes and closes its file), wait, and return the exit code."""
+def stop_collector_process(
+    process: CollectorProcess, timeout_s: float = CLOSE_TIMEOUT_S
+) -> dict[str, Any] | None:
+    """Tell the collector to close its file and wait until it has (at most `timeout_s`): the
+    next line of the caller can open the file. Returns the run's counts (`Collector.summary`),
+    or None when the collector could not say (it died, or was killed after `timeout_s`)."""
+    process.close_file()
+    summary = None
+    stdout = process.popen.stdout
+    deadline = time.monotonic() + timeout_s
+    if stdout is not None and not stdout.closed:
+        ready = selectors.DefaultSelector()
+        ready.register(stdout, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if not ready.select(timeout=min(left, 0.5)):
+                continue
+            line = stdout.readline()
+            if not line:
+                break  # it exited
+            if line.startswith("closed "):
+                summary = json.loads(line[7:])
+        ready.close()
+    process.join(max(0.0, deadline - time.monotonic()))
     if process.is_alive():
-        process.terminate()
-    process.join(timeout_s)
-    if process.is_alive():
-        logger.error("collector did not stop within %s s; killing it", timeout_s)
+        print(
+            f"stepscope: the trace collector did not close its file within {timeout_s:.0f} s; "
+            "killing it (the file may lack its last spans)",
+            file=sys.stderr,
+            flush=True,
+        )
         process.kill()
         process.join()
-    return process.exitcode
+    return summary
+
+
+def describe_summary(summary: dict[str, Any] | None) -> str:
+    """The run's span counts in one phrase, for a closing line."""
+    if summary is None:
+        return "span counts unknown (the collector did not report them)"
+    text = (
+        f"{summary['spans']:,} spans from {summary['processes']} processes, {summary['lost']} lost"
+    )
+    if summary["lost_by"]:
+        text += " (" + ", ".join(f"{who}: {k}" for who, k in summary["lost_by"].items()) + ")"
+    if summary["silent"]:
+        text += "; sent spans but never reported its counts: " + ", ".join(summary["silent"])
+    return text
 
 
 class CollectorClient:
@@ -526,22 +655,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.nice:
         os.nice(args.nice)  # before any thread starts: on Linux each thread has its own
     if args.parent_pid is not None:
-        watch_parent(args.parent_pid)  # SIGTERM: flush, close the file
+        # The parent stops the collector last, once the others have flushed: the signals a
+        # terminal or process manager sends the whole group are not for it.
+        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     run_collector(
         args.db_path,
         args.host,
         args.port,
         ready_queue=_Announcer() if args.announce else None,
         extensions=args.extension,
+        parent_pid=args.parent_pid,
     )
 
 
 class _Announcer:
-    """Stands in for a queue: writes the readiness message on stdout for the parent to read."""
+    """Stands in for a queue: writes the readiness and closing messages on stdout for the
+    parent. Anything else printed on stdout (by an extension) goes to stderr instead, so that
+    nothing fills the pipe that the parent reads only at start and at close."""
+
+    def __init__(self) -> None:
+        self.out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+        sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
     def put(self, item: tuple[str, str]) -> None:
         kind, value = item
-        print(f"{kind} {value}", flush=True)
+        print(f"{kind} {value}", file=self.out, flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ A parent that ends cleanly (Ctrl-C, SIGTERM) stops its children itself; one that
 (SIGKILL, a crash) cannot. So each child process runs `watch_parent`: a daemon thread that
 notices, within `poll_s`, that its parent is gone (the child was re-parented) and then ends the
 child the way that child ends cleanly.
+
+A terminal's Ctrl-C (SIGINT) and hang-up (SIGHUP) reach every process of its foreground process
+group at once, children included. A child that died of them would take its unsent spans with it,
+and the trace collector would close the file while the others still export. So every child
+ignores both (`ignore_terminal_signals`): its parent, which gets them too, stops the children in
+order and the collector last.
 """
 
 from __future__ import annotations
@@ -28,6 +34,26 @@ PARENT_ENV = "STEPSCOPE_PARENT_PID"
 def terminate_self() -> None:
     """SIGTERM to this process: it unwinds as if a process manager had stopped it."""
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def ignore_terminal_signals() -> None:
+    """SIGINT and SIGHUP are the parent's to handle (the terminal sends them to the whole group)."""
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def exit_once_on(*signums: int) -> None:
+    """The first of `signums` raises SystemExit(0) in the main thread; later ones are ignored,
+    so the unwinding it starts (stopping children, flushing spans) runs to its end. A group's
+    SIGTERM and the parent's own SIGTERM often both arrive."""
+
+    def handler(signum: int, frame: object) -> None:
+        for other in signums:
+            signal.signal(other, signal.SIG_IGN)
+        raise SystemExit(0)
+
+    for signum in signums:
+        signal.signal(signum, handler)
 
 
 def watch_parent(

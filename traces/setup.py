@@ -5,17 +5,20 @@ once it is running, never inheriting a provider across a fork: a forked child fo
 parent's provider and records nothing until it calls `init_tracing` itself. Spans leave through
 a BatchSpanProcessor to the collector (OTLP/HTTP protobuf), straight into a DuckDB file (in-process
 runs), and optionally to any other OTLP endpoint. Spans lost on the way (full queue, failed export)
-are counted and logged, never dropped silently.
+are counted and logged, never dropped silently; a process that sends to the collector reports its
+counts there as it shuts down, so that the run's closing line can say how many were lost.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import json
 import logging
 import os
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +40,7 @@ MAX_EXPORT_BATCH_SIZE = 2048
 # the live dashboard wants spans within seconds.
 SCHEDULE_DELAY_MS = 2000
 WARNING_INTERVAL_S = 5.0  # lost spans are counted always, logged at most this often
+REPORT_TIMEOUT_S = 5.0
 
 
 class TraceSampling:
@@ -155,11 +159,13 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
             raise RuntimeError("this opentelemetry-sdk's BatchSpanProcessor has no span deque")
         processor._queue = self.queue
         self.shutdown_drops = 0
+        self.ended = 0
         self._last_warning = float("-inf")
 
     def on_end(self, span: ReadableSpan) -> None:
         if not span.context.trace_flags.sampled:
             return
+        self.ended += 1
         before = self.queue.dropped
         closed = self._batch_processor._shutdown
         if closed:
@@ -178,6 +184,9 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
     @property
     def dropped(self) -> int:
         return self.queue.dropped + self.shutdown_drops + self.counting_exporter.failed
+
+    def exports_to(self, kind: type[SpanExporter]) -> bool:
+        return isinstance(self.counting_exporter.inner, kind)
 
 
 class DuckDBSpanExporter(SpanExporter):
@@ -218,6 +227,10 @@ class TracingState:
     sampling: TraceSampling
     processors: list[CountingBatchSpanProcessor] = field(default_factory=list)
     pid: int = field(default_factory=os.getpid)
+    # The collector's base URL and the processor that exports to it: its counts are reported
+    # there at shutdown.
+    collector_url: str | None = None
+    to_collector: CountingBatchSpanProcessor | None = None
 
 
 # The helpers in `spans` read this on every call: None means tracing is off in this process.
@@ -268,7 +281,11 @@ def init_tracing(
             "otlp_endpoint or exporters"
         )
 
-    attributes: dict[str, str | int] = {n.SERVICE_NAME: service_name}
+    attributes: dict[str, str | int] = {
+        n.SERVICE_NAME: service_name,
+        n.PROCESS_PID: os.getpid(),
+        n.OPENINFERENCE_PROJECT_NAME: n.PROJECT_NAME,  # Phoenix files the spans under it
+    }
     if rank is not None:
         attributes[n.RANK] = rank
     if dp_rank is not None:
@@ -300,6 +317,10 @@ def init_tracing(
             tracer=provider.get_tracer("stepscope"),
             sampling=sampling,
             processors=processors,
+            collector_url=collector_endpoint.rstrip("/").removesuffix("/v1/traces")
+            if collector_endpoint
+            else None,
+            to_collector=processors[0] if collector_endpoint else None,
         )
     return provider
 
@@ -311,7 +332,37 @@ def _shutdown(old: TracingState) -> int:
     if dropped:
         logger.warning("tracing: %d spans were dropped in this process", dropped)
     _dropped_at_shutdown = dropped
+    if old.collector_url is not None and old.to_collector is not None:
+        _report(old, old.collector_url, old.to_collector)
     return dropped
+
+
+def _report(old: TracingState, url: str, processor: CountingBatchSpanProcessor) -> None:
+    """Tell the collector how many spans this process ended and how many of them it lost."""
+    resource = old.provider.resource.attributes
+    body = json.dumps(
+        {
+            "pid": old.pid,
+            "service": resource.get(n.SERVICE_NAME),
+            "ended": processor.ended,
+            "lost": processor.dropped,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        url + "/report", data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=REPORT_TIMEOUT_S):
+            pass
+    except OSError as error:
+        logger.warning(
+            "tracing: could not report to the collector at %s (%s): %d of this process's %d "
+            "spans were lost on the way",
+            url,
+            error,
+            processor.dropped,
+            processor.ended,
+        )
 
 
 def shutdown_tracing() -> int:

@@ -44,7 +44,12 @@ from stepscope.engine.messages import (
 )
 from stepscope.traces import crossing, names
 from stepscope.traces.crossing import traced_receive, traced_send
-from stepscope.traces.process import terminate_self, watch_parent
+from stepscope.traces.process import (
+    exit_once_on,
+    ignore_terminal_signals,
+    terminate_self,
+    watch_parent,
+)
 from stepscope.traces.setup import dropped_spans, init_process_tracing, shutdown_tracing
 
 _LOAD = b"load"  # output-queue item for the DP coordinator's socket, not an API server's
@@ -338,10 +343,11 @@ def run_engine_core(
     config: EngineConfig, model_dir: Path, handshake_addr: str, input_bind: str, parent_pid: int
 ) -> None:
     """Entry point of the engine-core process."""
-    # Ctrl-C in the terminal reaches the whole process group; the launcher decides on shutdown.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C or a hang-up in the terminal reaches the whole process group; the launcher
+    # decides on shutdown.
+    ignore_terminal_signals()
     # SIGTERM unwinds the main thread through the `finally` below, which stops the workers.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    exit_once_on(signal.SIGTERM)
     watch_parent(parent_pid)  # SIGTERM: the same unwinding as a clean stop
     if config.device.startswith("cuda") and config.data_parallel_rank_local:
         # Each DP rank on this machine takes its own TP-size run of GPUs.
@@ -388,13 +394,9 @@ def run_engine_core(
         traceback.print_exc()
         proc.output_queue.put((OutputKind.DEAD, 0, EngineDead(reason)))
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing cuts the stop and flush short
         proc.shutdown()
         shutdown_tracing()
-
-
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
 
 
 def main() -> None:

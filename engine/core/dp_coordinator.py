@@ -28,7 +28,7 @@ import zmq
 
 from stepscope.engine.messages import RankLoad
 from stepscope.traces import names
-from stepscope.traces.process import watch_parent
+from stepscope.traces.process import exit_once_on, ignore_terminal_signals, watch_parent
 from stepscope.traces.setup import init_process_tracing
 from stepscope.traces.spans import dp_publish_span
 
@@ -60,8 +60,8 @@ def decode_loads(data: bytes) -> list[list[int]]:
 
 
 def run_coordinator(args: CoordinatorArgs) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides on shutdown
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ignore_terminal_signals()  # the API process decides on shutdown
+    exit_once_on(signal.SIGTERM)
     watch_parent(args.parent_pid)
     # Spans leave every 200 ms, not every 2 s: a reader of a live trace sees balance promptly.
     init_process_tracing(

@@ -421,9 +421,14 @@ def _sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             logit_bias=logit_bias,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         )
     except ValueError as e:
-        raise bad_request(str(e)) from e
+        # SamplingParams' messages start with the field they refuse ("top_k must be ...").
+        name = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), name if name in type(body).model_fields else None) from e
 
 
 def _tokenize(s: ServerState, prompt: str | list[int]) -> list[int]:
@@ -446,6 +451,10 @@ def _check_length(s: ServerState, ids: list[int], params: SamplingParams) -> Non
         s.engine.processor.validate_token_ids(params)
     except ValueError as e:
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+    try:
+        s.engine.processor.validate_stop(params)
+    except ValueError as e:
+        raise bad_request(str(e), "stop") from e
 
 
 async def _serve(
@@ -828,7 +837,7 @@ def main() -> None:
 
     from stepscope.engine.entrypoints.launcher import APIServerArgs, read_processes
     from stepscope.traces import names
-    from stepscope.traces.process import watch_parent
+    from stepscope.traces.process import exit_once_on, ignore_terminal_signals, watch_parent
     from stepscope.traces.setup import init_process_tracing, shutdown_tracing
 
     args = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=APIServerArgs)
@@ -857,9 +866,10 @@ def main() -> None:
     )
     config = uvicorn.Config(app, fd=args.fd, log_level="warning", timeout_graceful_shutdown=5)
     # uvicorn stops gracefully on SIGTERM, then raises it again with the handler it found: make
-    # that an exit that unwinds (and flushes this process's spans), not a kill.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    # that an exit that unwinds (and flushes this process's spans), not a kill, and not cut
+    # short by the launcher's SIGTERM arriving after the group's.
+    exit_once_on(signal.SIGTERM)
+    ignore_terminal_signals()  # Ctrl-C and hang-ups are the launcher's to handle
     try:
         uvicorn.Server(config).run()
     finally:

@@ -15,9 +15,14 @@ its own worker processes.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
+import signal
+import sys
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,8 +41,10 @@ from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_toke
 from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
+from stepscope.traces import setup as tracing
 from stepscope.traces.collector import (
     CollectorClient,
+    describe_summary,
     start_collector_process,
     stop_collector_process,
 )
@@ -76,6 +83,7 @@ class LLM:
         trace_db: str | os.PathLike[str] | None = None,
         otlp_endpoint: str | None = None,
         trace_steps: str = "all",
+        trace_content: bool = False,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -97,11 +105,14 @@ class LLM:
             data_parallel_size=data_parallel_size,
             otlp_endpoint=otlp_endpoint,
             trace_steps=trace_steps,
+            trace_content=trace_content,
         )
         self.model_dir = resolve_model(model)
         self.trace_db = None if trace_db is None else Path(trace_db)
         self._trace_store = None
         self._collector = None
+        self._closed = False
+        self._tracing = False
         self._tracing = self._start_tracing()
         self.tokenizer = load_tokenizer(self.model_dir)
         # "uni": the engine core runs right here; "mp", or several DP ranks: in their own
@@ -115,7 +126,12 @@ class LLM:
             self.client.max_model_len,
             load_config(self.model_dir)["vocab_size"],
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.config.model, server=False)
+        self.output_processor = OutputProcessor(
+            self.tokenizer,
+            self.config.model,
+            server=False,
+            trace_content=self.config.trace_content,
+        )
         self._ids = itertools.count()
 
     @property
@@ -124,10 +140,15 @@ class LLM:
 
     def _start_tracing(self) -> bool:
         """In-process, this process writes the trace file itself; across processes a collector
-        process owns it and every process (this one too) sends it spans."""
+        process owns it and every process (this one too) sends it spans.
+
+        However the script ends (returns, raises, Ctrl-C, SIGTERM or SIGHUP where the script
+        set no handler of its own), `shutdown` runs at exit: the engine's processes stop and
+        flush, then the trace file is closed."""
         cfg = self.config
         if self.trace_db is None and cfg.otlp_endpoint is None:
             return False
+        _exit_cleanly_on_termination()
         if self.trace_db is not None:
             self.trace_db.parent.mkdir(parents=True, exist_ok=True)
         if self._in_process:
@@ -142,6 +163,7 @@ class LLM:
                 otlp_endpoint=cfg.otlp_endpoint,
                 trace_steps=cfg.trace_steps,
             )
+            atexit.register(_shutdown_at_exit, weakref.ref(self))
             return True
         if self.trace_db is not None:
             self._collector, cfg.collector_endpoint = start_collector_process(str(self.trace_db))
@@ -151,6 +173,9 @@ class LLM:
             otlp_endpoint=cfg.otlp_endpoint,
             trace_steps=cfg.trace_steps,
         )
+        # Registered after the collector's own finalizer: at exit this runs first, and stops
+        # the collector last.
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         return True
 
     def query_traces(self, sql: str) -> pd.DataFrame:
@@ -217,15 +242,32 @@ class LLM:
         return self.client.processes()
 
     def shutdown(self) -> None:
-        """Stop the engine's processes; flush the trace and close its file."""
-        self.client.shutdown()
-        if self._tracing:
-            self._tracing = False
-            shutdown_tracing()
+        """Stop the engine's processes; flush the trace and close its file (the collector
+        last, once every other process has flushed), then say how many spans it holds."""
+        if self._closed:
+            return
+        self._closed = True
+        client = getattr(self, "client", None)  # None: __init__ failed after tracing started
+        if client is not None:
+            client.shutdown()
+        if not self._tracing:
+            return
+        self._tracing = False
+        state = tracing.state
+        shutdown_tracing()
+        summary = None
+        if self._trace_store is not None and state is not None:
+            # In-process: this process wrote the file, and its exporter counted.
+            (to_file,) = [p for p in state.processors if p.exports_to(DuckDBSpanExporter)]
+            summary = {"spans": to_file.ended - to_file.dropped, "processes": 1,
+                       "lost": to_file.dropped, "lost_by": {}, "silent": []}  # fmt: skip
             self._trace_store = None
         if self._collector is not None:
-            stop_collector_process(self._collector)
+            summary = stop_collector_process(self._collector)
             self._collector = None
+        if self.trace_db is not None:
+            print(f"stepscope: trace saved to {self.trace_db}: {describe_summary(summary)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def __enter__(self) -> LLM:
         return self
@@ -297,3 +339,25 @@ class LLM:
             merge_outputs(rid, [finished[req.request_id] for req in family], prompt=text)
             for rid, text, family in zip(request_ids, texts, families, strict=True)
         ]
+
+
+def _shutdown_at_exit(ref: weakref.ref[LLM]) -> None:
+    llm = ref()
+    if llm is not None:
+        llm.shutdown()
+
+
+def _exit_cleanly_on_termination() -> None:
+    """SIGTERM and SIGHUP, where the script set no handler of its own, end it as an exception
+    does (atexit hooks run: the trace is saved) rather than on the spot. Ctrl-C already does."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    for other in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(other, signal.SIG_IGN)  # let the shutdown run to its end
+    raise SystemExit(128 + signum)

@@ -61,7 +61,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    # Unknown fields (presence_penalty, ...) are accepted and ignored, as OpenAI clients send
+    # Unknown fields (`parallel_tool_calls`, ...) are accepted and ignored, as OpenAI clients send
     # some of them by default. NaN and infinity are no number a sampler can use.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -83,6 +83,10 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     # OpenAI's shape: token id (a string, as JSON keys are) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
+    # OpenAI's penalties, each in [-2, 2], and vLLM's repetition_penalty (> 0); null is the default.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -16,8 +16,17 @@ import uvicorn
 from stepscope.engine.entrypoints.api_server import build_app
 from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.traces import names
-from stepscope.traces.collector import start_collector_process, stop_collector_process
-from stepscope.traces.process import PARENT_ENV, free_port, watch_parent_from_env
+from stepscope.traces.collector import (
+    describe_summary,
+    start_collector_process,
+    stop_collector_process,
+)
+from stepscope.traces.process import (
+    PARENT_ENV,
+    exit_once_on,
+    free_port,
+    watch_parent_from_env,
+)
 from stepscope.traces.setup import init_process_tracing, shutdown_tracing
 
 
@@ -53,6 +62,7 @@ def serve(args: argparse.Namespace) -> None:
         master_port=args.master_port if args.nnodes > 1 else None,
         otlp_endpoint=args.otlp_endpoint,
         trace_steps=args.trace_steps,
+        trace_content=args.trace_content,
     )
     name = args.served_model_name or args.model
     # Validate the configuration before anything starts, so a typo fails fast and clearly.
@@ -96,12 +106,14 @@ def serve(args: argparse.Namespace) -> None:
     try:
         run(args, engine_args, name)
     finally:
+        # Every other process has stopped and flushed by now (run() returns after the engine
+        # cores, workers and API servers have exited): this process's spans, then the
+        # collector, last.
         try:
-            dropped = shutdown_tracing()
+            shutdown_tracing()
         finally:
-            stop_collector_process(collector)
-        note = f", {dropped} spans dropped in the API process" if dropped else ""
-        print(f"stepscope: trace saved to {trace_db}{note}", flush=True)
+            summary = stop_collector_process(collector)
+        print(f"stepscope: trace saved to {trace_db}: {describe_summary(summary)}", flush=True)
 
 
 def _run(args: argparse.Namespace, engine_args: dict, name: str) -> None:
@@ -114,8 +126,10 @@ def _run(args: argparse.Namespace, engine_args: dict, name: str) -> None:
     )
     note = "" if not args.no_trace else " (--no-trace: no spans recorded)"
     print(f"stepscope: serving {name} on http://{args.host}:{args.port}/v1{note}", flush=True)
-    # uvicorn shuts down cleanly on SIGINT and SIGTERM; a hang-up (the terminal closed) should
-    # too, rather than end this process before it stops its engine and flushes the trace.
+    # uvicorn shuts down cleanly on SIGINT and SIGTERM, then raises the signal again with the
+    # handler it found: for SIGTERM that must be an exit that unwinds (the caller then closes
+    # the trace), not the default kill. A hang-up (the terminal closed) stops it the same way.
+    exit_once_on(signal.SIGTERM)
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5

@@ -69,7 +69,7 @@ from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.models.loader import load_config
 from stepscope.traces import crossing, names
 from stepscope.traces.crossing import traced_receive, traced_send
-from stepscope.traces.process import free_port, watch_parent
+from stepscope.traces.process import free_port, ignore_terminal_signals, watch_parent
 from stepscope.traces.setup import init_process_tracing, shutdown_tracing
 from stepscope.traces.spans import worker_step_span
 
@@ -551,6 +551,15 @@ def _build_worker(
     return Worker(config, model_dir, rank, world_size, all_reduce)
 
 
+class _Stopped(Exception):
+    """SIGTERM reached a worker (a process manager, or the whole process group): it stops as on
+    STOP, flushing its spans, instead of dying with them."""
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped
+
+
 def _worker_main(
     config_bytes: bytes,
     model_dir: str,
@@ -560,7 +569,8 @@ def _worker_main(
     socket_dir: str | None,
     parent_pid: int,
 ) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine core's to handle
+    ignore_terminal_signals()  # the engine core stops its workers
+    signal.signal(signal.SIGTERM, _raise_stopped)
     _exit_when_parent_dies(parent_pid, socket_dir if rank == 0 else None)
     ctx = zmq.Context()
     bcast = ctx.socket(zmq.SUB)
@@ -592,43 +602,57 @@ def _worker_main(
         os._exit(1)
     reply(READY, encoder.encode(os.getpid()))
     step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-    while True:
-        kind, payload = bcast.recv_multipart()
-        if kind == STOP:
-            break
-        try:
-            if kind == STEP:
-                scheduler_output = traced_receive(
-                    crossing.ENGINE_CORE_TO_WORKER, step_decoder.decode, payload
-                )
-                step = scheduler_output.step
-                start = time.perf_counter()
-                with worker_step_span(step, rank, scheduler_output.trace_context):
-                    output = worker.model_runner.execute_model(scheduler_output)
-                    seconds = time.perf_counter() - start
-                    if rank == 0:
-                        send = functools.partial(reply, OUTPUT, seconds=seconds)
-                        traced_send(
-                            crossing.WORKER_TO_ENGINE_CORE,
-                            encoder.encode,
-                            output,
-                            step=step,
-                            send=send,
-                        )
-            elif kind == CALL:
-                method, args = msgspec.msgpack.decode(payload)
-                if method not in UTILITY_METHODS:
-                    raise ValueError(f"unknown utility method {method!r}")
-                reply(RESULT, encoder.encode(getattr(worker, method)(*args)))
-            else:
-                raise ValueError(f"unknown message kind {kind!r}")
-        except BaseException:
-            # Ranks are out of step now (a peer may be waiting in an all-reduce): report and exit.
-            reply(ERROR, traceback.format_exc().encode())
-            ctx.destroy(linger=5000)
-            shutdown_tracing()
-            os._exit(1)
+    with contextlib.suppress(_Stopped):
+        while (message := bcast.recv_multipart())[0] != STOP:
+            _serve_one(message, worker, rank, reply, encoder, step_decoder, ctx)
     ctx.destroy(linger=1000)
     shutdown_tracing()
     # Skip interpreter teardown: the process group and torch's threads need no orderly exit.
     os._exit(0)
+
+
+def _serve_one(
+    message: list[bytes],
+    worker: Worker,
+    rank: int,
+    reply: Any,
+    encoder: msgspec.msgpack.Encoder,
+    step_decoder: msgspec.msgpack.Decoder,
+    ctx: zmq.Context,
+) -> None:
+    """Run one step or utility call; on an error, report it and end the process."""
+    kind, payload = message
+    try:
+        if kind == STEP:
+            scheduler_output = traced_receive(
+                crossing.ENGINE_CORE_TO_WORKER, step_decoder.decode, payload
+            )
+            step = scheduler_output.step
+            start = time.perf_counter()
+            with worker_step_span(step, rank, scheduler_output.trace_context):
+                output = worker.model_runner.execute_model(scheduler_output)
+                seconds = time.perf_counter() - start
+                if rank == 0:
+                    send = functools.partial(reply, OUTPUT, seconds=seconds)
+                    traced_send(
+                        crossing.WORKER_TO_ENGINE_CORE,
+                        encoder.encode,
+                        output,
+                        step=step,
+                        send=send,
+                    )
+        elif kind == CALL:
+            method, args = msgspec.msgpack.decode(payload)
+            if method not in UTILITY_METHODS:
+                raise ValueError(f"unknown utility method {method!r}")
+            reply(RESULT, encoder.encode(getattr(worker, method)(*args)))
+        else:
+            raise ValueError(f"unknown message kind {kind!r}")
+    except _Stopped:
+        raise
+    except BaseException:
+        # Ranks are out of step now (a peer may be waiting in an all-reduce): report and exit.
+        reply(ERROR, traceback.format_exc().encode())
+        ctx.destroy(linger=5000)
+        shutdown_tracing()
+        os._exit(1)

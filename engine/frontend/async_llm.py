@@ -51,7 +51,9 @@ class AsyncLLM:
         self.processor = InputProcessor(
             self.tokenizer, self.client.max_model_len, load_config(self.model_dir)["vocab_size"]
         )
-        self.output_processor = OutputProcessor(self.tokenizer, model)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, model, trace_content=self.config.trace_content
+        )
         self._queues: dict[str, asyncio.Queue] = {}  # each request's outputs, waiting for it
         self._started = False
         self.dead_reason: str | None = None

@@ -55,6 +55,7 @@ class InputProcessor:
         self.validate_prompt(prompt_token_ids)
         self.validate_max_tokens(prompt_token_ids, params)
         self.validate_token_ids(params)
+        self.validate_stop(params)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -99,4 +100,18 @@ class InputProcessor:
                 raise ValueError(
                     f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): "
                     f"{', '.join(map(str, bad[:5]))}"
+                )
+
+    def validate_stop(self, params: SamplingParams) -> None:
+        """Raise ValueError for a stop string longer than the context: it could never match."""
+        for i, stop in enumerate(params.stop):
+            # A string has at most one token per UTF-8 byte, plus a leading-space marker some
+            # tokenizers add, so the common short stop string need not be tokenized.
+            if len(stop.encode("utf-8")) < self.max_model_len:
+                continue
+            num_tokens = len(self.tokenizer.encode(stop, add_special_tokens=False))
+            if num_tokens > self.max_model_len:
+                raise ValueError(
+                    f"stop string {i} is {num_tokens} tokens long, longer than the model's "
+                    f"context of {self.max_model_len} tokens, so it could never match"
                 )

@@ -56,10 +56,14 @@ class ProcessedOutputs:
 class OutputProcessor:
     """Detokenizes, stops on stop strings, times and traces every request in flight."""
 
-    def __init__(self, tokenizer: Any, model: str, *, server: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, model: str, *, server: bool = True, trace_content: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.server = server  # request spans are SERVER spans in a server, INTERNAL offline
+        # The prompt and the generated text on the request span (`--trace-content`, opt-in).
+        self.trace_content = trace_content
         self.request_states: dict[str, RequestState] = {}
 
     def has_unfinished_requests(self) -> bool:
@@ -90,6 +94,7 @@ class OutputProcessor:
             headers=trace_headers,
             server=self.server,
             start_ns=int(request.arrival_time * 1e9),
+            input_value=self._prompt_text(request, prompt) if self.trace_content else None,
         )
         state = RequestState(
             request_id=request.request_id,
@@ -108,7 +113,7 @@ class OutputProcessor:
         for request_id in request_ids:
             state = self.request_states.pop(request_id, None)
             if state is not None:
-                state.span.finish(finish_reasons=["abort"])
+                state.span.finish(finish_reasons=["abort"], output_value=self._output_text(state))
 
     def process_outputs(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> ProcessedOutputs:
         """Take in one step's outputs; outputs of requests not in flight are ignored."""
@@ -152,9 +157,21 @@ class OutputProcessor:
         if state.finish_reason is not None:
             metrics.finished_time = out.events.get(RequestEvent.FINISHED, time.time())
             state.span.finish(
-                output_tokens=len(detok.token_ids), finish_reasons=[state.finish_reason]
+                output_tokens=len(detok.token_ids),
+                finish_reasons=[state.finish_reason],
+                output_value=self._output_text(state),
             )
         return stop is not None and not finished
+
+    def _prompt_text(self, request: EngineCoreRequest, prompt: str | None) -> str:
+        """The prompt as given, else as the model saw it (a chat after its template)."""
+        if prompt is not None:
+            return prompt
+        return self.tokenizer.decode(request.prompt_token_ids)
+
+    def _output_text(self, state: RequestState) -> str | None:
+        """The whole text generated so far, for the span; None unless `trace_content`."""
+        return state.detokenizer.output_text if self.trace_content else None
 
     def _delta_output(self, state: RequestState, out: EngineCoreOutput) -> RequestOutput:
         """What this output added: new text, token ids and logprobs."""

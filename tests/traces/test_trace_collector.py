@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -37,15 +38,22 @@ print(json.dumps(back))
 """
 
 
-def test_every_emitted_span_reaches_the_file_and_survives_sigterm(collector):
+def test_every_emitted_span_reaches_the_file_and_group_signals_do_not_stop_it(collector):
     process, url, db_path = collector
+    # What a terminal or a process manager sends the whole group is its parent's to handle.
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        process.popen.send_signal(signum)
     setup.init_tracing(n.SERVICE_ENGINE_CORE, collector_endpoint=url)
     for step in range(2500):
         with sp.step_span(step=step), sp.child_span(n.SCHEDULE):
             pass
     assert setup.shutdown_tracing() == 0  # all 5,000 accepted by the collector
-    # SIGTERM with no flush from us: the collector must insert what it accepted, then close.
-    assert stop(process) == 0
+    # No flush from us: told to close, the collector inserts what it accepted, then closes,
+    # and says what it holds and what its one sender reported lost.
+    summary = stop(process)
+    assert process.exitcode == 0
+    assert (summary["spans"], summary["processes"], summary["lost"]) == (5000, 1, 0)
+    assert summary["silent"] == []
     store = TraceStore(db_path, read_only=True)
     assert store.count() == 5000
     assert store.count(n.ENGINE_STEP) == store.count(n.SCHEDULE) == 2500
@@ -152,3 +160,32 @@ def test_second_collector_on_the_same_file_fails_loudly(collector):
     _, _, db_path = collector
     with pytest.raises(RuntimeError, match="collector failed to start"):
         start_collector_process(db_path)
+
+
+def test_the_closing_counts_name_lost_spans_and_senders_that_never_reported(collector):
+    process, url, _ = collector
+    # A sender killed before it could report: its spans arrived, its counts never did.
+    killed = (
+        "import os, sys\n"
+        "from stepscope.traces import names as n, setup, spans as sp\n"
+        "setup.init_tracing(n.SERVICE_WORKER, rank=0, collector_endpoint=sys.argv[1])\n"
+        "with sp.step_span(step=0):\n    pass\n"
+        "setup.flush_tracing()\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", killed, url], check=True, timeout=60)
+    # A sender whose queue overflows: 40 of its 50 spans never leave it, and it says so.
+    setup.init_tracing(
+        n.SERVICE_ENGINE_CORE, collector_endpoint=url, max_queue_size=10, schedule_delay_ms=60_000
+    )
+    for step in range(50):
+        with sp.step_span(step=step):
+            pass
+    assert setup.shutdown_tracing() == 40
+    summary = stop(process)
+    assert summary["spans"] == 11 and summary["processes"] == 2
+    assert summary["lost"] == 40
+    ((who, lost),) = summary["lost_by"].items()
+    assert who.startswith(n.SERVICE_ENGINE_CORE) and lost == 40
+    (silent,) = summary["silent"]
+    assert silent.startswith(n.SERVICE_WORKER)

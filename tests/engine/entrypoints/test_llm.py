@@ -143,6 +143,11 @@ def test_prompt_longer_than_the_context_is_refused_and_loses_nothing() -> None:
     capped = small.generate("word " * 20, greedy(None), use_tqdm=False)[0]
     total = len(capped.prompt_token_ids) + len(capped.outputs[0].token_ids)
     assert total == 32 and capped.outputs[0].finish_reason == "length"
+    # A stop string longer than the context could never match: refused, naming the context.
+    with pytest.raises(ValueError, match=r"stop string 1 is \d+ tokens long.*context of 32 tokens"):
+        small.generate("hi", greedy(4, stop=["x", "word " * 40]), use_tqdm=False)
+    assert not small.engine_core.has_unfinished_requests()
+    assert small.generate("hi", greedy(4, stop=["word" * 8]), use_tqdm=False)[0].finished
 
 
 def test_a_kv_pool_smaller_than_the_context_lowers_max_model_len_or_is_refused() -> None:
@@ -173,6 +178,11 @@ def test_a_kv_pool_smaller_than_the_context_lowers_max_model_len_or_is_refused()
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"logprobs": 99}, "logprobs must be between"),
         ({"stop": [""]}, "stop strings must not be empty"),
+        ({"presence_penalty": 50}, r"presence_penalty must be in \[-2, 2\], got 50"),
+        ({"presence_penalty": -2.5}, r"presence_penalty must be in \[-2, 2\], got -2.5"),
+        ({"frequency_penalty": 2.01}, r"frequency_penalty must be in \[-2, 2\], got 2.01"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty must be a finite number"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
     ],
 )
 def test_bad_sampling_params_fail_at_construction(kwargs: dict, message: str) -> None:

@@ -148,20 +148,44 @@ def test_async_client_streams(server) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error"),
+    ("kwargs", "error", "param", "message"),
     [
-        ({"max_tokens": -1}, openai.BadRequestError),
-        ({"temperature": -0.5}, openai.BadRequestError),
-        ({"n": 1000}, openai.BadRequestError),
-        ({"prompt": "word " * 600}, openai.BadRequestError),
-        ({"model": "gpt-4"}, openai.NotFoundError),
+        ({"max_tokens": -1}, openai.BadRequestError, "max_tokens", "at least 1, got -1"),
+        ({"temperature": -0.5}, openai.BadRequestError, "temperature", ">= 0, got -0.5"),
+        ({"n": 1000}, openai.BadRequestError, "n", "between 1 and 16, got 1000"),
+        ({"prompt": "word " * 600}, openai.BadRequestError, "prompt", "context is 512 tokens"),
+        ({"presence_penalty": 50}, openai.BadRequestError, "presence_penalty", "[-2, 2], got 50"),
+        ({"presence_penalty": -2.5}, openai.BadRequestError, "presence_penalty", "got -2.5"),
+        ({"frequency_penalty": 2.01}, openai.BadRequestError, "frequency_penalty", "got 2.01"),
+        (
+            {"extra_body": {"repetition_penalty": 0}},
+            openai.BadRequestError,
+            "repetition_penalty",
+            "must be > 0",
+        ),
+        ({"stop": ["word " * 600]}, openai.BadRequestError, "stop", "context of 512 tokens"),
+        ({"model": "gpt-4"}, openai.NotFoundError, "model", "does not exist"),
     ],
 )
-def test_bad_requests_raise_the_matching_openai_errors(client, kwargs, error) -> None:
+def test_bad_requests_raise_the_matching_openai_errors(
+    client, server, kwargs, error, param, message
+) -> None:
     with pytest.raises(error) as info:
         client.completions.create(**{"prompt": "Hi", **greedy(), **kwargs})
+    assert info.value.status_code == (404 if error is openai.NotFoundError else 400)
     body = info.value.body
-    assert set(body) >= {"message", "type", "param", "code"}
+    assert set(body) == {"message", "type", "param", "code"}
+    assert body["param"] == param and message in body["message"]
+    # The refusal happened at the edge: the engine holds nothing and still serves.
+    assert server.metric("stepscope:num_requests_waiting") == 0
+    assert client.completions.create(prompt="Hi", **greedy()).usage.completion_tokens == 8
+
+
+def test_penalties_in_range_are_accepted(client) -> None:
+    r = client.completions.create(
+        prompt="Hi", presence_penalty=-2, frequency_penalty=2, **greedy(max_tokens=2)
+    )
+    assert r.usage.completion_tokens == 2
 
 
 def test_malformed_json_is_a_400_in_openai_shape(server) -> None:
@@ -187,11 +211,12 @@ def test_malformed_json_is_a_400_in_openai_shape(server) -> None:
         ({"prompt": "x", "temperature": float("nan")}, "temperature", "finite number"),
         ({"prompt": "x", "top_p": float("inf")}, "top_p", "finite number"),
         ({"prompt": "x", "logit_bias": {"99999999": 5}}, "logit_bias", "outside the vocabulary"),
-        ({"prompt": "x", "logit_bias": {"7": 500}}, None, "logit_bias values must be in"),
+        ({"prompt": "x", "logit_bias": {"7": 500}}, "logit_bias", "logit_bias values must be in"),
         ({"prompt": "x", "logit_bias": {"seven": 1}}, "logit_bias", "must be token ids"),
         ({"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids", "outside the vocabulary"),
-        ({"prompt": "x", "seed": 10**30}, None, "64-bit integer"),
-        ({"prompt": "x", "top_k": 10**30}, None, "64-bit integer"),
+        ({"prompt": "x", "seed": 10**30}, "seed", "64-bit integer"),
+        ({"prompt": "x", "top_k": 10**30}, "top_k", "64-bit integer"),
+        ({"prompt": "x", "presence_penalty": float("nan")}, "presence_penalty", "finite number"),
         ({"prompt": "x", "max_tokens": 10**9}, "max_tokens", "ask for at most"),
     ],
 )
