@@ -49,6 +49,13 @@ format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The same spans in a real OTLP backend: Arize Phoenix, installed once in its own environment
+# under $STEPSCOPE_CACHE (never in `make test`), against a served run's DuckDB file; see
+# docs/tracing.md. `make otlp-check SCREENSHOT=docs/img/phoenix-request.png` also saves a picture.
+.PHONY: otlp-check
+otlp-check: setup
+	$(PY) tools/otlp_check.py $(if $(SCREENSHOT),--screenshot $(SCREENSHOT))
+
 # On a CUDA machine, which has no .venv: kernel tests compiled, smollm2-shaped end to end, kernel
 # and engine benchmarks; see docs/gpu-check.md.
 gpu-check:

@@ -1,29 +1,38 @@
-"""`stepscope trace summary PATH` and `stepscope trace request PATH ID`, as readable tables.
+"""`stepscope trace summary PATH` and `stepscope trace request PATH ID`, as readable tables, and
+`stepscope trace export PATH -o FILE`, a timeline for Perfetto UI or chrome://tracing.
 
 PATH is a finished trace file (opened read-only) or the URL of a running collector.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
+import duckdb
 import pandas as pd
 
-from stepscope.traces import queries
+from stepscope.traces import explain, export, queries
 from stepscope.traces.collector import CollectorClient
 from stepscope.traces.store import TraceStore
 
 
 @contextmanager
 def open_trace(path: str) -> Iterator[queries.Source]:
-    """A read-only view of a trace: a file, or a collector's URL while it runs."""
+    """A read-only view of a trace: a file, or a collector's URL while it runs. A path that is
+    no trace file raises ValueError (the CLI prints it, with no traceback)."""
     if path.startswith(("http://", "https://")):
         yield CollectorClient(path)
         return
-    store = TraceStore(path, read_only=True)
+    if not os.path.isfile(path):
+        raise ValueError(f"no trace file at {path}")
+    try:
+        store = TraceStore(path, read_only=True)
+    except duckdb.Error as error:
+        raise ValueError(f"cannot open {path} as a trace file: {error}") from error
     try:
         yield store
     finally:
@@ -141,4 +150,104 @@ def trace_request(path: str, request_id: str, out: TextIO | None = None) -> int:
             ]
         ]
     _section(out, "steps that served it", _table(steps))
+    return 0
+
+
+def trace_export(path: str, output: str, fmt: str = "chrome", out: TextIO | None = None) -> None:
+    """Write the trace as a timeline file and say what it holds. `chrome`: Chrome trace-event
+    JSON, which Perfetto UI (ui.perfetto.dev) and chrome://tracing open."""
+    if fmt != "chrome":
+        raise ValueError(f"unknown export format {fmt!r}: the one format is 'chrome'")
+    trace = export.write_chrome(path, output)
+    info = trace["otherData"]
+    print(
+        f"wrote {len(trace['traceEvents'])} events ({info['processes']} processes, "
+        f"{info['requests']} requests, {info['steps']} engine steps) to {output}",
+        file=out or sys.stdout,
+    )
+
+
+def trace_explain(
+    path: str, request_id: str | None = None, as_json: bool = False, out: TextIO | None = None
+) -> int:
+    """Why one request (default: the slowest) took as long as it did: its end-to-end time split
+    into parts that add up, the queue by reason, the steps it shared, and a sentence.
+
+    Returns 0, or 1 (with a message) when the trace has no such request.
+    """
+    out = out or sys.stdout
+    with open_trace(path) as source:
+        try:
+            result = explain.explain(source, request_id)
+        except KeyError as error:
+            print(error.args[0], file=sys.stderr)
+            return 1
+    if as_json:
+        print(explain.to_json(result), file=out)
+        return 0
+    e2e = result["e2e_s"]
+    print(f"request {result['request_id']}  end-to-end {_fmt_s(e2e)}  DP rank "
+          f"{result['dp_rank']}", file=out)  # fmt: skip
+    parts = pd.DataFrame(
+        {
+            "part": [p.removesuffix("_s") for p in explain.PARTS],
+            "ms": [result["parts"][p] * 1e3 for p in explain.PARTS],
+            "share": [f"{result['parts'][p] / e2e:.0%}" if e2e else "-" for p in explain.PARTS],
+        }
+    )
+    _section(out, "where the time went (in the request path's order; the parts add up)",
+             _table(parts))  # fmt: skip
+    if result["queue_reasons"]:
+        reasons = pd.DataFrame(
+            {
+                "reason": list(result["queue_reasons"]),
+                "ms": [s * 1e3 for s in result["queue_reasons"].values()],
+            }  # fmt: skip
+        )
+        _section(out, "queue time by reason", _table(reasons))
+    shared = result["shared"]
+    _section(
+        out,
+        "the steps that ran it",
+        f"  {shared['steps']} steps ({shared['prefill_steps']} prefill, "
+        f"{shared['decode_steps']} decode), with {_other_requests(shared)} other requests; "
+        f"its tokens {shared['own_tokens']}, others' {shared['other_prefill_tokens']} prefill + "
+        f"{shared['other_decode_tokens']} decode (about {_fmt_s(shared['interference_s'])} of "
+        "those steps' time)\n"
+        f"  preemptions {result['preemptions']}, recomputed tokens "
+        f"{result['recomputed_tokens']}, prefix-cache hits {result['prefix_hit_tokens']} tokens",
+    )
+    _section(out, "why", "  " + result["summary"])
+    return 0
+
+
+def _other_requests(shared: dict) -> str:
+    low, high = shared["other_requests_min"], shared["other_requests_max"]
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def trace_slowest(path: str, limit: int = 10, out: TextIO | None = None) -> int:
+    """The slowest requests, each with its largest part and that part's cause."""
+    out = out or sys.stdout
+    with open_trace(path) as source:
+        try:
+            results = explain.slowest(source, limit)
+        except KeyError as error:
+            print(error.args[0], file=sys.stderr)
+            return 1
+    rows = []
+    for r in results:
+        part, seconds = explain.largest_part(r)
+        rows.append(
+            {
+                "request_id": r["request_id"],
+                "e2e_ms": r["e2e_s"] * 1e3,
+                "largest": part.removesuffix("_s"),
+                "ms": seconds * 1e3,
+                "share": f"{seconds / r['e2e_s']:.0%}" if r["e2e_s"] else "-",
+                "cause": explain.cause(r),
+            }
+        )
+    print(f"the {len(rows)} slowest requests of {path}", file=out)
+    _section(out, "", _table(pd.DataFrame(rows)))
     return 0

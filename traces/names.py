@@ -2,7 +2,8 @@
 
 The dashboard, the tutorials, the DuckDB views and outside tools read spans by these names, so
 they are fixed here once and documented in docs/tracing.md. GenAI keys follow the OpenTelemetry
-GenAI semantic conventions, messaging keys the messaging conventions.
+GenAI semantic conventions, messaging keys the messaging conventions, and the OpenInference keys
+(span kind, `llm.*`, `input.*`, `output.*`) the OpenInference conventions that Phoenix reads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ SERVICE_DP_COORDINATOR = "stepscope.dp_coordinator"  # with data parallelism: ra
 # Offline `LLM` with the in-process engine core: every role in one process, one provider.
 SERVICE_OFFLINE = "stepscope.offline"
 SERVICE_NAME = "service.name"
+PROCESS_PID = "process.pid"  # resource attribute: the collector counts each sender's spans by it
 RANK = "stepscope.rank"  # resource attribute of workers, and attribute of worker_step spans
 # Resource attribute of engine cores and workers (their data-parallel rank), and attribute of a
 # request span (the rank it was sent to) and of the API side's crossings for it.
@@ -102,6 +104,12 @@ PREEMPTED_IDS = "stepscope.preempted_ids"  # string array
 FINISHED_IDS = "stepscope.finished_ids"  # string array
 REQUEST_IDS = "stepscope.request_ids"  # string array: the requests this step served
 REQUEST_NUM_TOKENS = "stepscope.request_num_tokens"  # int array, parallel to REQUEST_IDS
+# Why the waiting queue's head was not admitted (budget, max_num_seqs, kv_blocks, preempted),
+# how many waiting requests that holds back (first come, first served: all of them), and with
+# kv_blocks how many free blocks the head lacked. Absent when nobody was left waiting.
+WAITING_REASON = "stepscope.waiting_reason"
+WAITING_REASON_COUNT = "stepscope.waiting_reason_count"
+KV_BLOCKS_SHORT = "stepscope.kv_blocks_short"
 
 # ---- DP coordinator publication span: int arrays, one entry per DP rank ------------------------
 DP_NUM_WAITING = "stepscope.dp_num_waiting"
@@ -116,6 +124,26 @@ MESSAGE_BODY_SIZE = "messaging.message.body.size"
 NUM_REQUESTS = "stepscope.num_requests"
 MESSAGING_SYSTEM = "messaging.system"
 MESSAGING_SYSTEM_ZMQ = "zmq"
+
+# ---- OpenInference: what Phoenix (and other OpenInference backends) shows ----------------------
+# Resource attribute: the Phoenix project a process's spans land in.
+OPENINFERENCE_PROJECT_NAME = "openinference.project.name"
+PROJECT_NAME = "stepscope"
+# On every span: LLM for a request span, CHAIN for everything else (steps, phases, crossings).
+OPENINFERENCE_SPAN_KIND = "openinference.span.kind"
+SPAN_KIND_LLM = "LLM"
+SPAN_KIND_CHAIN = "CHAIN"
+# Request span: the model and the token counts, beside the GenAI keys that hold the same values.
+LLM_MODEL_NAME = "llm.model_name"
+LLM_TOKEN_COUNT_PROMPT = "llm.token_count.prompt"
+LLM_TOKEN_COUNT_COMPLETION = "llm.token_count.completion"
+LLM_TOKEN_COUNT_TOTAL = "llm.token_count.total"
+# Request span, only with `--trace-content` (prompts can be private): the text in and out.
+INPUT_VALUE = "input.value"
+INPUT_MIME_TYPE = "input.mime_type"
+OUTPUT_VALUE = "output.value"
+OUTPUT_MIME_TYPE = "output.mime_type"
+MIME_TYPE_TEXT = "text/plain"
 
 # ---- carrier keys --------------------------------------------------------------------------------
 # W3C `traceparent` / `tracestate`, plus the request span's own context on api->engine_core

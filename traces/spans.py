@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from types import MappingProxyType
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# OpenInference's span kind, set as every span starts (read-only: the SDK copies attributes).
+_CHAIN = MappingProxyType({n.OPENINFERENCE_SPAN_KIND: n.SPAN_KIND_CHAIN})
+_LLM = MappingProxyType({n.OPENINFERENCE_SPAN_KIND: n.SPAN_KIND_LLM})
 
 
 # ---- context propagation ------------------------------------------------------------------------
@@ -193,6 +197,12 @@ class StepSpan(_Scope):
         }
         if kv_total_blocks is not None:
             attributes[n.KV_TOTAL_BLOCKS] = kv_total_blocks
+        reason = getattr(stats, "waiting_reason", None)
+        if reason is not None:
+            attributes[n.WAITING_REASON] = reason
+            attributes[n.WAITING_REASON_COUNT] = stats.num_waiting
+            if stats.kv_blocks_short:
+                attributes[n.KV_BLOCKS_SHORT] = stats.kv_blocks_short
         self.span.set_attributes(attributes)
         if isinstance(links, Mapping):
             for req_id in ids:
@@ -220,10 +230,11 @@ class CrossingSpan(_Scope):
 class RequestSpan(_Scope):
     """`stepscope.request`: one request in the API process, from arrival to its last byte."""
 
-    __slots__ = ("_ended", "_output_tokens", "_usage_set")
+    __slots__ = ("_ended", "_input_tokens", "_output_tokens", "_usage_set")
 
-    def __init__(self, span: Span) -> None:
+    def __init__(self, span: Span, input_tokens: int | None = None) -> None:
         super().__init__(span)
+        self._input_tokens = input_tokens
         self._output_tokens = 0
         self._usage_set = False
         self._ended = False
@@ -278,14 +289,21 @@ class RequestSpan(_Scope):
         finish_reasons: Sequence[str] | None = None,
         num_cached_tokens: int | None = None,
         num_preemptions: int | None = None,
+        output_value: str | None = None,
     ) -> None:
-        """Usage and outcome, when known better than `observe` counted them."""
+        """Usage and outcome, when known better than `observe` counted them. `output_value`
+        (the generated text) only when the user asked for content (`--trace-content`)."""
         attributes: dict[str, Any] = {}
         if input_tokens is not None:
+            self._input_tokens = input_tokens
             attributes[n.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
+            attributes[n.LLM_TOKEN_COUNT_PROMPT] = input_tokens
         if output_tokens is not None:
-            attributes[n.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
+            attributes.update(self._output_usage(output_tokens))
             self._usage_set = True
+        if output_value is not None:
+            attributes[n.OUTPUT_VALUE] = output_value
+            attributes[n.OUTPUT_MIME_TYPE] = n.MIME_TYPE_TEXT
         if finish_reasons is not None:
             attributes[n.GEN_AI_RESPONSE_FINISH_REASONS] = list(finish_reasons)
         if num_cached_tokens is not None:
@@ -294,12 +312,22 @@ class RequestSpan(_Scope):
             attributes[n.NUM_PREEMPTIONS] = num_preemptions
         self.span.set_attributes(attributes)
 
+    def _output_usage(self, output_tokens: int) -> dict[str, int]:
+        """The output count under both conventions, and the total where the input is known."""
+        usage = {
+            n.GEN_AI_USAGE_OUTPUT_TOKENS: output_tokens,
+            n.LLM_TOKEN_COUNT_COMPLETION: output_tokens,
+        }
+        if self._input_tokens is not None:
+            usage[n.LLM_TOKEN_COUNT_TOTAL] = self._input_tokens + output_tokens
+        return usage
+
     def end(self) -> None:
         if self._ended:
             return
         self._ended = True
         if not self._usage_set:
-            self.span.set_attribute(n.GEN_AI_USAGE_OUTPUT_TOKENS, self._output_tokens)
+            self.span.set_attributes(self._output_usage(self._output_tokens))
         self.span.end()
 
 
@@ -316,28 +344,36 @@ def request_span(
     headers: Mapping[str, str] | None = None,
     server: bool = True,
     start_ns: int | None = None,
+    input_value: str | None = None,
 ) -> RequestSpan | _Noop:
     """`stepscope.request`, the root of one request (parented on an incoming `traceparent`).
 
     Recorded whatever `--trace-steps` says. `server=False` for offline use (kind INTERNAL). Use
-    it as a context manager, or call `.end()` when the last byte is out.
+    it as a context manager, or call `.end()` when the last byte is out. `input_value` (the
+    prompt text) only when the user asked for content (`--trace-content`).
     """
     state = _setup.state
     if state is None:
         return NOOP
     attributes: dict[str, Any] = {
+        **_LLM,
         n.REQUEST_ID: request_id,
         n.GEN_AI_OPERATION_NAME: operation,
         n.GEN_AI_REQUEST_MODEL: model,
+        n.LLM_MODEL_NAME: model,
     }
     for key, value in (
         (n.GEN_AI_REQUEST_MAX_TOKENS, max_tokens),
         (n.GEN_AI_REQUEST_TEMPERATURE, temperature),
         (n.GEN_AI_REQUEST_TOP_P, top_p),
         (n.GEN_AI_USAGE_INPUT_TOKENS, input_tokens),
+        (n.LLM_TOKEN_COUNT_PROMPT, input_tokens),
     ):
         if value is not None:
             attributes[key] = value
+    if input_value is not None:
+        attributes[n.INPUT_VALUE] = input_value
+        attributes[n.INPUT_MIME_TYPE] = n.MIME_TYPE_TEXT
     span = state.tracer.start_span(
         n.REQUEST,
         context=extract_context(headers),
@@ -345,7 +381,7 @@ def request_span(
         attributes=attributes,
         start_time=start_ns,
     )
-    return RequestSpan(span)
+    return RequestSpan(span, input_tokens)
 
 
 def step_span(
@@ -374,7 +410,7 @@ def step_span(
         n.ENGINE_STEP,
         context=Context(),
         kind=SpanKind.INTERNAL,
-        attributes=None if step is None else {n.STEP: step},
+        attributes=_CHAIN if step is None else {**_CHAIN, n.STEP: step},
         start_time=start_ns,
     )
     scope = StepSpan(span)
@@ -391,7 +427,11 @@ def child_span(name: str, attributes: Mapping[str, Any] | None = None) -> _Scope
     state = _setup.state
     if state is None or not trace.get_current_span().is_recording():
         return NOOP
-    return _Scope(state.tracer.start_span(name, attributes=attributes))
+    return _Scope(
+        state.tracer.start_span(
+            name, attributes=_CHAIN if not attributes else {**_CHAIN, **attributes}
+        )
+    )
 
 
 def ended_child_span(name: str, start_ns: int, end_ns: int) -> None:
@@ -400,7 +440,7 @@ def ended_child_span(name: str, start_ns: int, end_ns: int) -> None:
     state = _setup.state
     if state is None or not trace.get_current_span().is_recording():
         return
-    state.tracer.start_span(name, start_time=start_ns).end(end_time=end_ns)
+    state.tracer.start_span(name, attributes=_CHAIN, start_time=start_ns).end(end_time=end_ns)
 
 
 def dp_publish_span(
@@ -415,6 +455,7 @@ def dp_publish_span(
         n.DP_PUBLISH,
         start_time=start_ns,
         attributes={
+            **_CHAIN,
             n.DP_NUM_WAITING: [load[0] for load in loads],
             n.DP_NUM_RUNNING: [load[1] for load in loads],
             n.DP_LOST: [load[2] for load in loads],
@@ -451,7 +492,7 @@ def worker_step_span(
         n.WORKER_STEP,
         context=parent,
         kind=SpanKind.INTERNAL,
-        attributes={n.STEP: step, n.RANK: rank},
+        attributes={**_CHAIN, n.STEP: step, n.RANK: rank},
     )
     return _Scope(span)
 
@@ -465,6 +506,7 @@ def _crossing_attributes(
     dp_rank: int | None = None,
 ) -> dict[str, Any]:
     attributes: dict[str, Any] = {
+        **_CHAIN,
         n.BOUNDARY: boundary,
         n.MESSAGE_TYPE: message_type,
         n.NUM_REQUESTS: num_requests,

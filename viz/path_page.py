@@ -3,6 +3,7 @@ spans.
 
 The stage definitions and the span arithmetic live in `request_path`; this page draws them: a
 waterfall of every occurrence of every stage, the request's headline numbers, and the stage table.
+"Why this long" draws `traces.explain.explain`, the function `stepscope trace explain` prints.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pandas as pd
 import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Span
 
-from stepscope.traces import queries
+from stepscope.traces import explain, queries
 from stepscope.traces.names import RequestEvent
 from stepscope.viz.request_path import (
     STAGES,
@@ -36,6 +37,16 @@ from stepscope.viz.ui import (
 )
 
 MAX_REQUESTS = 5000  # requests offered in the picker (the most recent)
+# The parts of a request's end-to-end time, in the request path's order, as "Why this long" draws
+# them.
+PART_LABELS = {
+    "before_engine_s": ("before the engine", COLORS["api"]),
+    "queue_s": ("queue", COLORS["waiting"]),
+    "prefill_s": ("prefill", COLORS["prefill"]),
+    "decode_s": ("decode", COLORS["decode"]),
+    "preempted_s": ("preempted", COLORS["preempt"]),
+    "after_engine_s": ("after the engine", COLORS["crossing"]),
+}
 STAGE_KIND = {
     1: "api",
     2: "crossing",
@@ -139,6 +150,21 @@ class RequestPathPage:
         fig.add_tools(HoverTool(renderers=[cuts], tooltips=[("", "@label")]))
         outside_legend(fig)
         self.fig = fig
+        self.why_parts = ColumnDataSource(dict(y=[], left=[], right=[], color=[], part=[], ms=[]))
+        why = new_figure(
+            "Why this long: the end-to-end time, part by part (they add up)",
+            height=150,
+            y_range=FactorRange("request"),
+            x_axis_label="ms since the request arrived",
+        )
+        why_bars = why.hbar(
+            y="y", left="left", right="right", height=0.6, color="color", legend_field="part",
+            source=self.why_parts,
+        )  # fmt: skip
+        why.add_tools(HoverTool(renderers=[why_bars], tooltips=[("", "@part: @ms")]))
+        outside_legend(why)
+        self.why_fig = why
+        self.why_text = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
         self.select.param.watch(lambda e: self.show(e.new), "value")
         self.panel = pn.Column(
             pn.pane.Markdown(
@@ -153,6 +179,8 @@ class RequestPathPage:
             self.empty,
             self.select,
             self.header,
+            bokeh_pane(why),
+            self.why_text,
             bokeh_pane(fig),
             self.stages,
             sizing_mode="stretch_width",
@@ -261,6 +289,37 @@ class RequestPathPage:
             ]
         )
         self.stages.object = _stage_table(stage_summary(occ))
+        self._show_why(request_id)
+
+    def _show_why(self, request_id: str) -> None:
+        """The explain answer: a stacked bar of the parts, the queue by reason, the sentence."""
+        result = explain.explain(self.source, request_id)
+        left, rows = 0.0, dict(y=[], left=[], right=[], color=[], part=[], ms=[])
+        for key, (label, color) in PART_LABELS.items():
+            ms = result["parts"][key] * 1e3
+            rows["y"].append("request")
+            rows["left"].append(left)
+            rows["right"].append(left + ms)
+            rows["color"].append(color)
+            rows["part"].append(label)
+            rows["ms"].append(f"{ms:.2f} ms")
+            left += ms
+        self.why_parts.data = rows
+        reasons = ", ".join(
+            f"{html.escape(reason)} {seconds * 1e3:.1f} ms"
+            for reason, seconds in sorted(result["queue_reasons"].items(), key=lambda kv: -kv[1])
+        )
+        shared = result["shared"]
+        self.why_text.object = (
+            f'<p id="why-summary"><b>{html.escape(result["summary"])}</b></p>'
+            f'<p id="why-queue">Queue by reason: {reasons or "none"}. '
+            f"Steps that ran it: {shared['steps']}, with its {shared['own_tokens']} tokens and "
+            f"others' {shared['other_prefill_tokens']} prefill + "
+            f"{shared['other_decode_tokens']} decode tokens (about "
+            f"{shared['interference_s'] * 1e3:.0f} ms of their time went to the others). "
+            "<small>The same answer as <code>stepscope trace explain TRACE "
+            f"{html.escape(request_id)}</code>.</small></p>"
+        )
 
 
 def _code(text: str) -> str:

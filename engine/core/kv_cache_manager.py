@@ -22,6 +22,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        self.last_blocks_short = 0  # how many blocks the last refused allocation lacked
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +78,7 @@ class KVCacheManager:
         # Hits sitting in the free queue stop being free once taken.
         num_hits_free = sum(1 for b in computed_hits if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_hits_free:
+            self.last_blocks_short = num_new_blocks - (self.pool.num_free_blocks - num_hits_free)
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None

@@ -41,6 +41,16 @@ class StepStats:
     prefix_hit_tokens: int = 0
     preempted: tuple[str, ...] = ()
     finished: tuple[str, ...] = ()
+    # Why the head of the waiting queue (and so, first come first served, every request behind
+    # it) was not admitted: one of WAITING_REASONS, or None when nobody was left waiting.
+    waiting_reason: str | None = None
+    kv_blocks_short: int = 0  # with "kv_blocks": how many free blocks the head lacked
+
+
+# "budget": running requests used the token budget; "max_num_seqs": the running batch is full;
+# "kv_blocks": too few free KV blocks for the head; "preempted": the head was preempted and waits
+# to be recomputed (and this step, which preempted, admits nobody).
+WAITING_REASONS = ("budget", "max_num_seqs", "kv_blocks", "preempted")
 
 
 class Scheduler:
@@ -141,17 +151,21 @@ class Scheduler:
             i += 1
 
         # Pass 2: admit waiting requests while budget, blocks and max_num_seqs allow.
+        blocked_by, kv_short = None, 0
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
+                blocked_by = "max_num_seqs"
                 break
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and n > budget:
+                blocked_by = "budget"
                 break
             n = min(n, budget)
             blocks = self.kv.allocate_slots(request, n, num_hit_tokens, hits)
             if blocks is None:
+                blocked_by, kv_short = "kv_blocks", self.kv.last_blocks_short
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -166,6 +180,14 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             scheduled_new.append(request)
             budget -= n
+
+        if self.waiting:
+            # A preempted head waits to be recomputed, whatever else holds it (a step that
+            # preempts admits nobody); otherwise the guard that ended the loop, or the budget.
+            if preempted or self.waiting[0].status == RequestStatus.PREEMPTED:
+                blocked_by = "preempted"
+            elif blocked_by is None:
+                blocked_by = "budget"
 
         for request in scheduled_running + scheduled_new:
             n = num_scheduled[request.request_id]
@@ -188,6 +210,8 @@ class Scheduler:
             prefix_hit_tokens=prefix_hit_tokens,
             preempted=tuple(r.request_id for r in preempted),
             finished=tuple(sorted(self.finished_req_ids)) if num_scheduled or preempted else (),
+            waiting_reason=blocked_by,
+            kv_blocks_short=kv_short if blocked_by == "kv_blocks" else 0,
         )
         if not num_scheduled and not preempted:
             # Nothing to run: no step happens. Requests finished meanwhile (aborts) wait for the

@@ -35,10 +35,28 @@ def _trace_summary(args: argparse.Namespace) -> None:
     trace_summary(args.path)
 
 
-def _trace_request(args: argparse.Namespace) -> None:
+def _trace_request(args: argparse.Namespace) -> int:
     from stepscope.traces.cli import trace_request
 
-    trace_request(args.path, args.request_id)
+    return trace_request(args.path, args.request_id)
+
+
+def _trace_explain(args: argparse.Namespace) -> int:
+    from stepscope.traces.cli import trace_explain
+
+    return trace_explain(args.path, args.request_id, as_json=args.json)
+
+
+def _trace_slowest(args: argparse.Namespace) -> int:
+    from stepscope.traces.cli import trace_slowest
+
+    return trace_slowest(args.path, args.n)
+
+
+def _trace_export(args: argparse.Namespace) -> None:
+    from stepscope.traces.cli import trace_export
+
+    trace_export(args.path, args.output, args.format)
 
 
 def _bench_offline(args: argparse.Namespace) -> None:
@@ -207,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="which steps record spans: all, every:N or off (requests always do)",
     )
     p.add_argument(
+        "--trace-content",
+        action="store_true",
+        help="put each request's prompt and generated text on its span (input.value, "
+        "output.value); off by default, as prompts can be private",
+    )
+    p.add_argument(
         "--dashboard-port",
         type=int,
         default=None,
@@ -228,6 +252,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("request_id")
     p.set_defaults(func=_trace_request)
+    p = trace_sub.add_parser(
+        "explain", help="why a request (default: the slowest) took as long as it did"
+    )
+    p.add_argument("path", metavar="TRACE", help="a trace file, or a running collector's URL")
+    p.add_argument("request_id", nargs="?", default=None, help="default: the slowest request")
+    p.add_argument("--json", action="store_true", help="the answer as JSON")
+    p.set_defaults(func=_trace_explain)
+    p = trace_sub.add_parser("slowest", help="the slowest requests, each with its largest part")
+    p.add_argument("path", metavar="TRACE", help="a trace file, or a running collector's URL")
+    p.add_argument("-n", type=int, default=10, help="how many (default 10)")
+    p.set_defaults(func=_trace_slowest)
+    p = trace_sub.add_parser(
+        "export", help="a timeline file for Perfetto UI (ui.perfetto.dev) or chrome://tracing"
+    )
+    p.add_argument("path", metavar="TRACE", help="a trace file, or a running collector's URL")
+    p.add_argument(
+        "--format",
+        choices=["chrome"],
+        default="chrome",
+        help="chrome: Chrome trace-event JSON (the JSON Object Format)",
+    )
+    p.add_argument("-o", "--output", required=True, help="the file to write, e.g. run.json")
+    p.set_defaults(func=_trace_export)
 
     p = sub.add_parser("dashboard", help="the dashboard: a trace file, a live collector, or none")
     dashboard.add_arguments(p)
@@ -322,10 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except ValueError as e:
         print(f"stepscope: {e}", file=sys.stderr)
         sys.exit(2)
+    if code:  # a command that found nothing to show (an unknown request id)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

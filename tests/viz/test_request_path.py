@@ -3,6 +3,7 @@ built over it (no browser)."""
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 
@@ -147,6 +148,13 @@ def test_app_pages_read_the_trace(source, trace_db):
     path.show(rid)
     assert 'id="stage-10"' in path.stages.object
     assert f'id="ro-req-id">{rid}<' in path.header.object
+    # "Why this long": the same answer as `stepscope trace explain`, its parts stacked end to end.
+    from stepscope.traces.explain import explain
+
+    answer = explain(source, rid)
+    assert html.escape(answer["summary"]) in path.why_text.object
+    bars = path.why_parts.data
+    assert bars["left"][0] == 0 and bars["right"][-1] == pytest.approx(answer["e2e_s"] * 1e3)
 
 
 def test_app_without_a_trace_says_how_to_get_one():

@@ -544,3 +544,50 @@ def test_aborting_a_finished_request_changes_nothing() -> None:
 
     assert request.status == RequestStatus.FINISHED_LENGTH
     assert scheduler.kv.num_free_blocks == 4
+
+
+# ---- why the waiting queue's head was not admitted -------------------------------------------
+def test_waiting_request_not_admitted_when_the_budget_is_used() -> None:
+    s = make_scheduler(64, budget=8)
+    s.add_request(make_request("a", tokens(8)))
+    s.add_request(make_request("b", tokens(4, 2000)))
+    s.schedule()
+    stats = s.last_stats
+    assert (stats.waiting_reason, stats.num_waiting, stats.kv_blocks_short) == ("budget", 1, 0)
+
+
+def test_waiting_request_not_admitted_when_max_num_seqs_are_running() -> None:
+    s = make_scheduler(64, max_num_seqs=1)
+    s.add_request(make_request("a", tokens(4)))
+    s.add_request(make_request("b", tokens(4, 2000)))
+    s.add_request(make_request("c", tokens(4, 3000)))
+    s.schedule()
+    assert (s.last_stats.waiting_reason, s.last_stats.num_waiting) == ("max_num_seqs", 2)
+
+
+def test_waiting_request_not_admitted_when_blocks_short_says_how_many() -> None:
+    s = make_scheduler(4)  # 16 tokens of KV
+    s.add_request(make_request("a", tokens(12)))  # 3 blocks
+    s.add_request(make_request("b", tokens(12, 2000)))  # needs 3, 1 is free
+    s.schedule()
+    assert (s.last_stats.waiting_reason, s.last_stats.kv_blocks_short) == ("kv_blocks", 2)
+
+
+def test_a_preempted_head_waits_to_be_recomputed() -> None:
+    s = make_scheduler(3)  # 12 tokens of KV
+    s.add_request(make_request("a", tokens(4), ignore_eos=True))
+    s.add_request(make_request("b", tokens(4, 2000), ignore_eos=True))
+    for _ in range(8):  # decoding grows both until one must be preempted
+        out = s.schedule()
+        s.update_from_output(out, fake_runner_output(s, out, 7))
+        if out.preempted_req_ids:
+            break
+    assert out.preempted_req_ids == ["b"]
+    assert (s.last_stats.waiting_reason, s.last_stats.num_waiting) == ("preempted", 1)
+
+
+def test_nothing_waiting_records_no_reason() -> None:
+    s = make_scheduler(64)
+    s.add_request(make_request("a", tokens(4)))
+    s.schedule()
+    assert s.last_stats.waiting_reason is None and s.last_stats.num_waiting == 0
