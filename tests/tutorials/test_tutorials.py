@@ -1,4 +1,4 @@
-"""The JupyterLab tutorials (tutorials/): a quickstart and seven lessons on vLLM V1's request path.
+"""The JupyterLab tutorials (tutorials/): a quickstart and eight lessons on vLLM V1's request path.
 
 Each notebook is committed without outputs, has the parts of a lesson (a question first, a
 prediction, the code that decides the answer, the vLLM source it mirrors, a figure, exercises, a
@@ -21,7 +21,7 @@ from nbformat import NotebookNode
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = ROOT / "tutorials"
-LESSONS = [f"{i:02d}" for i in range(8)]  # the quickstart, then seven lessons
+LESSONS = [f"{i:02d}" for i in range(9)]  # the quickstart, then eight lessons
 
 
 def _load_renderer():
