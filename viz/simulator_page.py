@@ -16,6 +16,7 @@ import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, LinearAxis, Range1d, Span
 from bokeh.plotting import figure
 
+from stepscope.viz.charts import preemption_marks, token_bars, token_hover
 from stepscope.viz.simulator import (
     GROUP_A,
     GROUP_B,
@@ -25,7 +26,7 @@ from stepscope.viz.simulator import (
     simulate_step,
     simulate_steps,
 )
-from stepscope.viz.ui import COLORS, CSS, TABLE_CSS, cards, new_figure, outside_legend
+from stepscope.viz.ui import COLORS, CSS, cards, new_figure, new_table, outside_legend
 
 # ---- presets ------------------------------------------------------------
 PRESETS: dict[str, dict[str, int]] = {
@@ -130,16 +131,7 @@ class SimulatorPage:
         self.preempt_source = ColumnDataSource(dict(step=[], y=[], label=[]))
         self.hit_source = ColumnDataSource(dict(step=[], y=[], label=[]))
         self.steps_fig, self.budget_line = self._steps_figure()
-        self.steps_table = pn.widgets.Tabulator(
-            pd.DataFrame(),
-            disabled=True,
-            show_index=False,
-            height=320,
-            sizing_mode="stretch_width",
-            layout="fit_data_fill",
-            theme="simple",
-            stylesheets=[TABLE_CSS],
-        )
+        self.steps_table = new_table(height=320, layout="fit_data_fill")
         self.story = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
         self.error = pn.pane.Alert("", alert_type="danger", visible=False)
 
@@ -220,14 +212,7 @@ class SimulatorPage:
             x_axis_label="step",
             y_axis_label="tokens",
         )
-        bars = fig.vbar_stack(
-            ["decode", "prefill"],
-            x="step",
-            width=0.8,
-            source=self.steps_source,
-            color=[COLORS["decode"], COLORS["prefill"]],
-            legend_label=["decode tokens", "prefill tokens"],
-        )
+        bars = token_bars(fig, self.steps_source, 0.8, ("decode tokens", "prefill tokens"))
         budget_line = Span(
             location=2048,
             dimension="width",
@@ -255,15 +240,7 @@ class SimulatorPage:
             color=COLORS["free"],
             size=5,
         )
-        preempt = fig.scatter(
-            "step",
-            "y",
-            source=self.preempt_source,
-            marker="inverted_triangle",
-            size=14,
-            color=COLORS["preempt"],
-            legend_label="preemption",
-        )
+        preempt = preemption_marks(fig, self.preempt_source, size=14)
         hits = fig.scatter(
             "step",
             "y",
@@ -273,17 +250,7 @@ class SimulatorPage:
             color=COLORS["prefix"],
             legend_label="prefix-cache hit",
         )
-        fig.add_tools(
-            HoverTool(
-                renderers=[*bars, line],
-                tooltips=[
-                    ("step", "@step"),
-                    ("decode", "@decode"),
-                    ("prefill", "@prefill"),
-                    ("free blocks", "@free"),
-                ],
-            )
-        )
+        token_hover(fig, [*bars, line], ("free blocks", "@free"))
         fig.add_tools(HoverTool(renderers=[preempt, hits], tooltips=[("", "@label")]))
         outside_legend(fig)
         return fig, budget_line

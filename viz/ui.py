@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import html
-import math
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import panel as pn
 from bokeh.plotting import figure
+
+# Handed on for the path page; they live in `frames` so that data modules go without Panel.
+from stepscope.viz.frames import fmt_ms as fmt_ms
+from stepscope.viz.frames import int_text as int_text
 
 COLORS = {
     "decode": "#4C78A8",
@@ -71,17 +73,6 @@ def cards(items: list[tuple[str, str, str]], extra: str = "") -> str:
     return f'<div class="ss-cards">{cards}</div>{extra}'
 
 
-def fmt_ms(value: Any, digits: int = 1) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)) or pd.isna(value):
-        return "-"
-    return f"{value * 1e3:.{digits}f} ms"
-
-
-def float_columns(frame: pd.DataFrame, columns: list[str]) -> dict[str, np.ndarray]:
-    """Numeric columns as float arrays (NULL -> NaN), as Bokeh wants them."""
-    return {c: pd.to_numeric(frame[c], errors="coerce").astype(float).to_numpy() for c in columns}
-
-
 def new_figure(title: str, height: int = 260, **kwargs: Any) -> figure:
     fig = figure(
         title=title,
@@ -116,5 +107,14 @@ def bokeh_pane(fig: figure) -> pn.pane.Bokeh:
     return pn.pane.Bokeh(fig, sizing_mode="stretch_width")
 
 
-def int_text(value: Any) -> str:
-    return "-" if value is None or pd.isna(value) else str(int(value))
+def new_table(**kwargs: Any) -> pn.widgets.Tabulator:
+    """A read-only table without its index, in the pages' look; `kwargs` go to Tabulator."""
+    return pn.widgets.Tabulator(
+        pd.DataFrame(),
+        disabled=True,
+        show_index=False,
+        sizing_mode="stretch_width",
+        theme="simple",
+        stylesheets=[TABLE_CSS],
+        **kwargs,
+    )

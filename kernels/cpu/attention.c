@@ -16,13 +16,20 @@
  *   q        [num_seqs, num_heads, head_dim]
  *   k_cache  [num_blocks, block_size, num_kv_heads, head_dim]   (v_cache the same)
  *   block_tables [num_seqs, bt_stride] int32, seq_lens [num_seqs] int32 (context incl. query)
- *   scratch  float32, num_threads * num_heads * (max_len + 2 * head_dim) entries (each
- *            thread's scores, query rows and accumulators)
+ *   scratch  float32, num_threads * (num_heads * (max_len + 2 * head_dim) + block_size *
+ *            num_kv_heads * head_dim) entries (each thread's scores, query rows, accumulators
+ *            and one widened block)
  *   out      [num_seqs, num_heads, head_dim]
  */
 #include <omp.h>
 
 #include "common.h"
+#include "kernels.h"
+
+/* Inlined at every call, even into several callers, so that what is a constant there (the
+ * dtype, the head size, a number of heads) specialises the loops: written once, compiled per
+ * case, as a C++ template would be. */
+#define ALWAYS_INLINE __attribute__((always_inline))
 
 /* Ask for the next block while this one is computed on: blocks lie anywhere in the pool, so
  * the hardware prefetcher, which follows addresses, cannot guess where the next one is. */
@@ -99,9 +106,10 @@ static inline __m512 sum_lanes_16(const __m512 r[16]) {
 }
 
 /* Pass 1, 16 keys (rows key_stride apart): scores[h * max_len + t] for every query head. */
-static inline void scores_16_d64(const float *keys, int64_t key_stride, int64_t num_kv_heads,
-                                 int64_t group, const float *qs, float *scores, int64_t max_len,
-                                 float scale) {
+static inline ALWAYS_INLINE void scores_16_d64(const float *keys, int64_t key_stride,
+                                               int64_t num_kv_heads, int64_t group,
+                                               const float *qs, float *scores,
+                                               int64_t max_len, float scale) {
     for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
         const float *kb = keys + kv_head * 64;
         for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h++) {
@@ -116,54 +124,53 @@ static inline void scores_16_d64(const float *keys, int64_t key_stride, int64_t 
                 s = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), s);
                 r[t] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), s);
             }
-            _mm512_storeu_ps(scores + h * max_len, _mm512_mul_ps(sum_lanes_16(r), _mm512_set1_ps(scale)));
+            const __m512 sums = sum_lanes_16(r);
+            _mm512_storeu_ps(scores + h * max_len, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
         }
     }
 }
 
-/* Pass 2 for N query heads of one KV head: each value row is read once for all N, and the
- * N * 4 sums are independent chains held in registers. */
-#define DEFINE_VALUES_D64(N)                                                                   \
-    static inline void values_##N##_d64(const float *vb, int64_t n, int64_t key_stride,        \
-                                        const float *p, int64_t max_len, float *acc) {         \
-        __m512 a[N][4];                                                                        \
-        for (int i = 0; i < N; i++)                                                            \
-            for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + i * 64 + c * 16);       \
-        for (int64_t t = 0; t < n; t++) {                                                      \
-            const float *v = vb + t * key_stride;                                              \
-            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);                \
-            const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);           \
-            for (int i = 0; i < N; i++) {                                                      \
-                const __m512 w = _mm512_set1_ps(p[i * max_len + t]);                           \
-                a[i][0] = _mm512_fmadd_ps(w, v0, a[i][0]);                                     \
-                a[i][1] = _mm512_fmadd_ps(w, v1, a[i][1]);                                     \
-                a[i][2] = _mm512_fmadd_ps(w, v2, a[i][2]);                                     \
-                a[i][3] = _mm512_fmadd_ps(w, v3, a[i][3]);                                     \
-            }                                                                                  \
-        }                                                                                      \
-        for (int i = 0; i < N; i++)                                                            \
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + i * 64 + c * 16, a[i][c]);       \
+/* Pass 2 for `heads` query heads of one KV head (1 to 4, a constant at each call, so that the
+ * loops over heads unroll): each value row is read once for all of them, and the heads * 4
+ * sums are independent chains held in registers. */
+static inline ALWAYS_INLINE void values_heads_d64(const float *vb, int64_t n, int64_t key_stride,
+                                                  const float *p, int64_t max_len, float *acc,
+                                                  int heads) {
+    __m512 a[4][4];
+    for (int i = 0; i < heads; i++)
+        for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + i * 64 + c * 16);
+    for (int64_t t = 0; t < n; t++) {
+        const float *v = vb + t * key_stride;
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+        for (int i = 0; i < heads; i++) {
+            const __m512 w = _mm512_set1_ps(p[i * max_len + t]);
+            a[i][0] = _mm512_fmadd_ps(w, v0, a[i][0]);
+            a[i][1] = _mm512_fmadd_ps(w, v1, a[i][1]);
+            a[i][2] = _mm512_fmadd_ps(w, v2, a[i][2]);
+            a[i][3] = _mm512_fmadd_ps(w, v3, a[i][3]);
+        }
     }
-DEFINE_VALUES_D64(1)
-DEFINE_VALUES_D64(2)
-DEFINE_VALUES_D64(3)
-DEFINE_VALUES_D64(4)
+    for (int i = 0; i < heads; i++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + i * 64 + c * 16, a[i][c]);
+}
 
 /* Pass 2 over one block: for each KV head, its query heads four (or fewer) at a time. p is
  * the probabilities at the block's first key, acc the [num_heads][64] sums. */
-static inline void values_block_d64(const float *block, int64_t n, int64_t key_stride,
-                                    int64_t num_kv_heads, int64_t group, const float *p,
-                                    int64_t max_len, float *acc) {
+static inline ALWAYS_INLINE void values_block_d64(const float *block, int64_t n,
+                                                  int64_t key_stride, int64_t num_kv_heads,
+                                                  int64_t group, const float *p,
+                                                  int64_t max_len, float *acc) {
     for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
         const float *vb = block + kv_head * 64;
         for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += 4) {
             const int64_t left = (kv_head + 1) * group - h;
             const float *ph = p + h * max_len;
             float *ah = acc + h * 64;
-            if (left >= 4) values_4_d64(vb, n, key_stride, ph, max_len, ah);
-            else if (left == 3) values_3_d64(vb, n, key_stride, ph, max_len, ah);
-            else if (left == 2) values_2_d64(vb, n, key_stride, ph, max_len, ah);
-            else values_1_d64(vb, n, key_stride, ph, max_len, ah);
+            if (left >= 4) values_heads_d64(vb, n, key_stride, ph, max_len, ah, 4);
+            else if (left == 3) values_heads_d64(vb, n, key_stride, ph, max_len, ah, 3);
+            else if (left == 2) values_heads_d64(vb, n, key_stride, ph, max_len, ah, 2);
+            else values_heads_d64(vb, n, key_stride, ph, max_len, ah, 1);
         }
     }
 }
@@ -183,152 +190,217 @@ static inline void values_block_d64(const float *block, int64_t n, int64_t key_s
 }
 #endif
 
-/* HD is the head dimension: a literal for the common sizes, so that the loops over it unroll
- * and the accumulators stay in registers, or `head_dim` itself for any other size. */
-/* The block of `table` holding token `start` of `cache`, as float32 (through WIDEN), with the
- * next one (if the context has one) asked for ahead. */
-#define BLOCK_AT(cache, start, n, WIDEN)                                                       \
-    (((start) + block_size < len                                                               \
-          ? prefetch_block((cache) + (int64_t)table[(start) / block_size + 1] * block_size     \
-                                         * key_stride,                                         \
-                           block_bytes)                                                        \
-          : (void)0),                                                                          \
-     WIDEN((cache) + (int64_t)table[(start) / block_size] * block_size * key_stride,           \
-           (n) * key_stride, wide))
+/* The cache's dtype: the kernel computes in float32 and widens bfloat16 where it reads it. */
+enum dtype { F32, BF16 };
 
-/* WIDEN gives a block as float32: the block itself for float32, else widened once into the
- * thread's buffer, rather than at every use (each key and value serves every query head of
- * its group). */
-#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE, HD, WIDEN)                               \
-    static int NAME(const T *q, const T *k_cache, const T *v_cache,                            \
-                    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,   \
-                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,                 \
-                    int64_t head_dim, int64_t block_size, float scale, T *out, float *scratch, \
-                    int64_t max_len, int64_t num_threads) {                                    \
-        const int64_t group = num_heads / num_kv_heads;                                        \
-        if (group * num_kv_heads != num_heads || num_threads < 1) return 1;                    \
-        for (int64_t s = 0; s < num_seqs; s++)                                                 \
-            if (seq_lens[s] < 1 || seq_lens[s] > max_len) return 2;                            \
-        const int64_t key_stride = num_kv_heads * HD; /* between two keys of a block */        \
-        const int64_t block_bytes = block_size * key_stride * (int64_t)sizeof(T);              \
-        _Pragma("omp parallel num_threads(num_threads)") {                                     \
-            const int64_t me = omp_get_thread_num();                                           \
-            float *scores = scratch + me * num_heads * max_len; /* [num_heads][max_len] */     \
-            float *qs = scratch + num_threads * num_heads * max_len + me * 2 * num_heads * HD; \
-            float *acc = qs + num_heads * HD; /* [num_heads][HD] */                            \
-            float *wide = scratch + num_threads * num_heads * (max_len + 2 * HD)               \
-                          + me * block_size * key_stride; /* one block, widened */             \
-            _Pragma("omp for schedule(dynamic, 1)")                                            \
-            for (int64_t seq = 0; seq < num_seqs; seq++) {                                     \
-                const int64_t len = seq_lens[seq];                                             \
-                const int32_t *table = block_tables + seq * bt_stride;                         \
-                for (int64_t i = 0; i < num_heads * HD; i++) {                                 \
-                    qs[i] = LOAD(q + seq * num_heads * HD + i);                                \
-                    acc[i] = 0.0f;                                                             \
-                }                                                                              \
-                /* Pass 1: scores, a block at a time (every KV head of it: one contiguous      \
-                 * stretch of memory), four keys at a time. */                                 \
-                for (int64_t start = 0; start < len; start += block_size) {                    \
-                    const int64_t n = len - start < block_size ? len - start : block_size;     \
-                    const float *block = BLOCK_AT(k_cache, start, n, WIDEN);                   \
-                    int64_t t0 = 0; /* keys done in tiles of 16 */                             \
-                    if (HAVE_AVX512 && HD == 64)                                               \
-                        for (; t0 + 16 <= n; t0 += 16)                                         \
-                            scores_16_d64(block + t0 * key_stride, key_stride, num_kv_heads,   \
-                                          group, qs, scores + start + t0, max_len, scale);     \
-                    for (int64_t kv_head = 0; kv_head < num_kv_heads && t0 < n; kv_head++) {   \
-                        const float *kb = block + kv_head * HD;                                \
-                        int64_t t = t0;                                                        \
-                        for (; t + 4 <= n; t += 4) {                                           \
-                            const float *k0 = kb + t * key_stride, *k1 = k0 + key_stride;      \
-                            const float *k2 = k1 + key_stride, *k3 = k2 + key_stride;          \
-                            for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h++) {\
-                                const float *x = qs + h * HD;                                  \
-                                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;              \
-                                _Pragma("omp simd reduction(+ : s0, s1, s2, s3)")              \
-                                for (int64_t d = 0; d < HD; d++) {                             \
-                                    s0 += x[d] * k0[d];                                        \
-                                    s1 += x[d] * k1[d];                                        \
-                                    s2 += x[d] * k2[d];                                        \
-                                    s3 += x[d] * k3[d];                                        \
-                                }                                                              \
-                                float *row = scores + h * max_len + start + t;                 \
-                                row[0] = s0 * scale;                                           \
-                                row[1] = s1 * scale;                                           \
-                                row[2] = s2 * scale;                                           \
-                                row[3] = s3 * scale;                                           \
-                            }                                                                  \
-                        }                                                                      \
-                        for (; t < n; t++) {                                                   \
-                            const float *key = kb + t * key_stride;                            \
-                            for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h++) {\
-                                const float *x = qs + h * HD;                                  \
-                                float s0 = 0.0f;                                               \
-                                _Pragma("omp simd reduction(+ : s0)")                          \
-                                for (int64_t d = 0; d < HD; d++) s0 += x[d] * key[d];          \
-                                scores[h * max_len + start + t] = s0 * scale;                  \
-                            }                                                                  \
-                        }                                                                      \
-                    }                                                                          \
-                }                                                                              \
-                for (int64_t h = 0; h < num_heads; h++) softmax_row(scores + h * max_len, len);\
-                /* Pass 2: the values, weighted by the probabilities, a block at a time. */   \
-                for (int64_t start = 0; start < len; start += block_size) {                    \
-                    const int64_t n = len - start < block_size ? len - start : block_size;     \
-                    const float *block = BLOCK_AT(v_cache, start, n, WIDEN);                   \
-                    if (HAVE_AVX512 && HD == 64) {                                             \
-                        values_block_d64(block, n, key_stride, num_kv_heads, group,            \
-                                         scores + start, max_len, acc);                        \
-                        continue;                                                              \
-                    }                                                                          \
-                    for (int64_t h = 0; h < num_heads; h++) {                                  \
-                        const float *vb = block + (h / group) * HD;                            \
-                        const float *p = scores + h * max_len + start;                         \
-                        /* 32 columns at a time: their sums stay in registers over the     \
-                         * block's keys. */                                                    \
-                        int64_t d0 = 0;                                                        \
-                        for (; d0 + 32 <= HD; d0 += 32) {                                      \
-                            float a[32];                                                       \
-                            for (int64_t j = 0; j < 32; j++) a[j] = acc[h * HD + d0 + j];      \
-                            for (int64_t t = 0; t < n; t++) {                                  \
-                                const float *value = vb + t * key_stride + d0;                 \
-                                const float w = p[t];                                          \
-                                _Pragma("omp simd")                                            \
-                                for (int64_t j = 0; j < 32; j++) a[j] += w * value[j];         \
-                            }                                                                  \
-                            for (int64_t j = 0; j < 32; j++) acc[h * HD + d0 + j] = a[j];      \
-                        }                                                                      \
-                        for (; d0 < HD; d0++)                                                  \
-                            for (int64_t t = 0; t < n; t++)                                    \
-                                acc[h * HD + d0] += p[t] * vb[t * key_stride + d0];            \
-                    }                                                                          \
-                }                                                                              \
-                for (int64_t i = 0; i < num_heads * HD; i++)                                   \
-                    STORE(out + seq * num_heads * HD + i, acc[i]);                             \
-            }                                                                                  \
-        }                                                                                      \
-        return 0;                                                                              \
+static inline ALWAYS_INLINE float load_as(enum dtype dt, const void *p, int64_t i) {
+    return dt == BF16 ? load_bf16((const uint16_t *)p + i) : load_f32((const float *)p + i);
+}
+
+static inline ALWAYS_INLINE void store_as(enum dtype dt, void *p, int64_t i, float f) {
+    if (dt == BF16) store_bf16((uint16_t *)p + i, f);
+    else store_f32((float *)p + i, f);
+}
+
+/* The block of `table` holding token `start` of `cache`, its first n keys as float32: the block
+ * itself for float32, else widened once into `wide` (each key and value serves every query
+ * head of its group), with the next block, if the context has one, asked for ahead. */
+static inline ALWAYS_INLINE const float *block_at(enum dtype dt, const void *cache,
+                                                  const int32_t *table, int64_t start, int64_t n,
+                                                  int64_t len, int64_t block_size,
+                                                  int64_t key_stride, float *wide) {
+    const int64_t bytes = block_size * key_stride * (dt == BF16 ? 2 : 4);
+    const char *pool = (const char *)cache;
+    if (start + block_size < len)
+        prefetch_block(pool + (int64_t)table[start / block_size + 1] * bytes, bytes);
+    const char *block = pool + (int64_t)table[start / block_size] * bytes;
+    return dt == BF16 ? widen_bf16((const uint16_t *)block, n * key_stride, wide)
+                      : widen_f32((const float *)block, n * key_stride, wide);
+}
+
+/* hd, in the functions below, is the head dimension: a literal for the common sizes, so that
+ * the loops over it unroll and the accumulators stay in registers, or `head_dim` itself for
+ * any other size. */
+
+/* Pass 1 over one block of n keys (every KV head of it: one contiguous stretch of memory):
+ * scores[h * max_len + t] for every query head h and key t, four keys at a time. */
+static inline ALWAYS_INLINE void scores_block(const float *block, int64_t n, int64_t key_stride,
+                                              int64_t num_kv_heads, int64_t group,
+                                              const float *qs, float *scores, int64_t max_len,
+                                              float scale, int64_t hd) {
+    int64_t t0 = 0; /* keys done in tiles of 16 */
+    if (HAVE_AVX512 && hd == 64)
+        for (; t0 + 16 <= n; t0 += 16)
+            scores_16_d64(block + t0 * key_stride, key_stride, num_kv_heads, group, qs,
+                          scores + t0, max_len, scale);
+    for (int64_t kv_head = 0; kv_head < num_kv_heads && t0 < n; kv_head++) {
+        const float *kb = block + kv_head * hd;
+        int64_t t = t0;
+        for (; t + 4 <= n; t += 4) {
+            const float *k0 = kb + t * key_stride, *k1 = k0 + key_stride;
+            const float *k2 = k1 + key_stride, *k3 = k2 + key_stride;
+            for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h++) {
+                const float *x = qs + h * hd;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+                for (int64_t d = 0; d < hd; d++) {
+                    s0 += x[d] * k0[d];
+                    s1 += x[d] * k1[d];
+                    s2 += x[d] * k2[d];
+                    s3 += x[d] * k3[d];
+                }
+                float *row = scores + h * max_len + t;
+                row[0] = s0 * scale;
+                row[1] = s1 * scale;
+                row[2] = s2 * scale;
+                row[3] = s3 * scale;
+            }
+        }
+        for (; t < n; t++) {
+            const float *key = kb + t * key_stride;
+            for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h++) {
+                const float *x = qs + h * hd;
+                float s0 = 0.0f;
+#pragma omp simd reduction(+ : s0)
+                for (int64_t d = 0; d < hd; d++) s0 += x[d] * key[d];
+                scores[h * max_len + t] = s0 * scale;
+            }
+        }
     }
+}
 
-DEFINE_DECODE_ATTENTION(attend_f32_d64, float, load_f32, store_f32, 64, widen_f32)
-DEFINE_DECODE_ATTENTION(attend_f32_d128, float, load_f32, store_f32, 128, widen_f32)
-DEFINE_DECODE_ATTENTION(attend_f32_any, float, load_f32, store_f32, head_dim, widen_f32)
-DEFINE_DECODE_ATTENTION(attend_bf16_d64, uint16_t, load_bf16, store_bf16, 64, widen_bf16)
-DEFINE_DECODE_ATTENTION(attend_bf16_d128, uint16_t, load_bf16, store_bf16, 128, widen_bf16)
-DEFINE_DECODE_ATTENTION(attend_bf16_any, uint16_t, load_bf16, store_bf16, head_dim, widen_bf16)
-
-#define DEFINE_ENTRY(NAME, T, D64, D128, ANY)                                                  \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,      \
-             int64_t bt_stride, const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,  \
-             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T *out,  \
-             float *scratch, int64_t max_len, int64_t num_threads) {                          \
-        int (*fn)(const T *, const T *, const T *, const int32_t *, int64_t, const int32_t *,  \
-                  int64_t, int64_t, int64_t, int64_t, int64_t, float, T *, float *, int64_t,   \
-                  int64_t) = head_dim == 64 ? D64 : head_dim == 128 ? D128 : ANY;              \
-        return fn(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, num_seqs, num_heads, \
-                  num_kv_heads, head_dim, block_size, scale, out, scratch, max_len,            \
-                  num_threads);                                                                \
+/* Pass 2 over one block of n values: acc[h][d] += p[h * max_len + t] * value_t[d], for every
+ * query head h (p is the probabilities at the block's first key). */
+static inline ALWAYS_INLINE void values_block(const float *block, int64_t n, int64_t key_stride,
+                                              int64_t num_kv_heads, int64_t group,
+                                              const float *p, int64_t max_len, float *acc,
+                                              int64_t hd) {
+    if (HAVE_AVX512 && hd == 64) {
+        values_block_d64(block, n, key_stride, num_kv_heads, group, p, max_len, acc);
+        return;
     }
+    for (int64_t h = 0; h < num_kv_heads * group; h++) {
+        const float *vb = block + (h / group) * hd;
+        const float *ph = p + h * max_len;
+        float *ah = acc + h * hd;
+        /* 32 columns at a time: their sums stay in registers over the block's keys. */
+        int64_t d0 = 0;
+        for (; d0 + 32 <= hd; d0 += 32) {
+            float a[32];
+            for (int64_t j = 0; j < 32; j++) a[j] = ah[d0 + j];
+            for (int64_t t = 0; t < n; t++) {
+                const float *value = vb + t * key_stride + d0;
+                const float w = ph[t];
+#pragma omp simd
+                for (int64_t j = 0; j < 32; j++) a[j] += w * value[j];
+            }
+            for (int64_t j = 0; j < 32; j++) ah[d0 + j] = a[j];
+        }
+        for (; d0 < hd; d0++)
+            for (int64_t t = 0; t < n; t++) ah[d0] += ph[t] * vb[t * key_stride + d0];
+    }
+}
 
-DEFINE_ENTRY(decode_attention_f32, float, attend_f32_d64, attend_f32_d128, attend_f32_any)
-DEFINE_ENTRY(decode_attention_bf16, uint16_t, attend_bf16_d64, attend_bf16_d128, attend_bf16_any)
+/* A call's arguments (kernels.h), by name. */
+struct decode {
+    const void *q, *k_cache, *v_cache;
+    const int32_t *block_tables;
+    int64_t bt_stride;
+    const int32_t *seq_lens;
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    void *out;
+    float *scratch;
+    int64_t max_len, num_threads;
+};
+
+/* One thread's part of a call: the requests the OpenMP loop hands it, each in two passes over
+ * its context, a block at a time. */
+static inline ALWAYS_INLINE void attend(const struct decode *a, enum dtype dt, int64_t hd) {
+    const int64_t num_heads = a->num_heads, num_kv_heads = a->num_kv_heads;
+    const int64_t block_size = a->block_size, max_len = a->max_len, threads = a->num_threads;
+    const float scale = a->scale;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t key_stride = num_kv_heads * hd; /* between two keys of a block */
+    const int64_t me = omp_get_thread_num();
+    float *scores = a->scratch + me * num_heads * max_len; /* [num_heads][max_len] */
+    float *qs = a->scratch + threads * num_heads * max_len + me * 2 * num_heads * hd;
+    float *acc = qs + num_heads * hd; /* [num_heads][hd] */
+    float *wide = a->scratch + threads * num_heads * (max_len + 2 * hd)
+                  + me * block_size * key_stride; /* one block, widened */
+#pragma omp for schedule(dynamic, 1) nowait /* the parallel region's end waits */
+    for (int64_t seq = 0; seq < a->num_seqs; seq++) {
+        const int64_t len = a->seq_lens[seq];
+        const int32_t *table = a->block_tables + seq * a->bt_stride;
+        for (int64_t i = 0; i < num_heads * hd; i++) {
+            qs[i] = load_as(dt, a->q, seq * num_heads * hd + i);
+            acc[i] = 0.0f;
+        }
+        for (int64_t start = 0; start < len; start += block_size) {
+            const int64_t n = len - start < block_size ? len - start : block_size;
+            const float *block =
+                block_at(dt, a->k_cache, table, start, n, len, block_size, key_stride, wide);
+            scores_block(block, n, key_stride, num_kv_heads, group, qs, scores + start, max_len,
+                         scale, hd);
+        }
+        for (int64_t h = 0; h < num_heads; h++) softmax_row(scores + h * max_len, len);
+        for (int64_t start = 0; start < len; start += block_size) {
+            const int64_t n = len - start < block_size ? len - start : block_size;
+            const float *block =
+                block_at(dt, a->v_cache, table, start, n, len, block_size, key_stride, wide);
+            values_block(block, n, key_stride, num_kv_heads, group, scores + start, max_len, acc,
+                         hd);
+        }
+        for (int64_t i = 0; i < num_heads * hd; i++)
+            store_as(dt, a->out, seq * num_heads * hd + i, acc[i]);
+    }
+}
+
+/* attend, compiled once per dtype and head size. */
+static void attend_f32_d64(const struct decode *a) { attend(a, F32, 64); }
+static void attend_f32_d128(const struct decode *a) { attend(a, F32, 128); }
+static void attend_f32_any(const struct decode *a) { attend(a, F32, a->head_dim); }
+static void attend_bf16_d64(const struct decode *a) { attend(a, BF16, 64); }
+static void attend_bf16_d128(const struct decode *a) { attend(a, BF16, 128); }
+static void attend_bf16_any(const struct decode *a) { attend(a, BF16, a->head_dim); }
+
+static int decode_attention(const struct decode *a, enum dtype dt) {
+    if (a->num_heads % a->num_kv_heads || a->num_threads < 1) return 1;
+    for (int64_t s = 0; s < a->num_seqs; s++)
+        if (a->seq_lens[s] < 1 || a->seq_lens[s] > a->max_len) return 2;
+    void (*attend_part)(const struct decode *) =
+        a->head_dim == 64    ? (dt == BF16 ? attend_bf16_d64 : attend_f32_d64)
+        : a->head_dim == 128 ? (dt == BF16 ? attend_bf16_d128 : attend_f32_d128)
+                             : (dt == BF16 ? attend_bf16_any : attend_f32_any);
+#pragma omp parallel num_threads(a->num_threads)
+    attend_part(a);
+    return 0;
+}
+
+int decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                         const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, float *out,
+                         float *scratch, int64_t max_len, int64_t num_threads) {
+    const struct decode a = {
+        .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables,
+        .bt_stride = bt_stride, .seq_lens = seq_lens, .num_seqs = num_seqs,
+        .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
+        .block_size = block_size, .scale = scale, .out = out, .scratch = scratch,
+        .max_len = max_len, .num_threads = num_threads};
+    return decode_attention(&a, F32);
+}
+
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, float scale, uint16_t *out,
+                          float *scratch, int64_t max_len, int64_t num_threads) {
+    const struct decode a = {
+        .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables,
+        .bt_stride = bt_stride, .seq_lens = seq_lens, .num_seqs = num_seqs,
+        .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
+        .block_size = block_size, .scale = scale, .out = out, .scratch = scratch,
+        .max_len = max_len, .num_threads = num_threads};
+    return decode_attention(&a, BF16);
+}

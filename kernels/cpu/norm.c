@@ -15,6 +15,7 @@
  * NULL (no add; sum_out unused).
  */
 #include "common.h"
+#include "kernels.h"
 
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                            \
     int NAME(const T *x, const T *residual, const T *weight, float eps, T *out, T *sum_out,    \

@@ -9,6 +9,8 @@ pointers on torch's threads, and returns torch tensors; float32 and bfloat16 onl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from stepscope.kernels.cpu.build import load
@@ -16,10 +18,11 @@ from stepscope.kernels.cpu.build import load
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _kernel(name: str, dtype: torch.dtype):
+def _kernel(name: str, dtype: torch.dtype) -> Callable[..., int]:
+    """The kernel for this dtype, called with its arguments named as in kernels.h."""
     if dtype not in _SUFFIX:
         raise TypeError(f"the CPU kernels take float32 or bfloat16, got {dtype}")
-    return getattr(load(), f"{name}_{_SUFFIX[dtype]}")
+    return load()[f"{name}_{_SUFFIX[dtype]}"].call
 
 
 def _check(*tensors: torch.Tensor, dtype: torch.dtype | None = None) -> None:
@@ -65,9 +68,11 @@ def decode_attention(
         raise ValueError("out must be shaped and typed like q")
     _check(out)
     status = _kernel("decode_attention", q.dtype)(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
-        head_dim, block_size, scale, out.data_ptr(), scratch.data_ptr(), max_len, threads,
+        q=q.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+        block_tables=block_tables.data_ptr(), bt_stride=block_tables.stride(0),
+        seq_lens=seq_lens.data_ptr(), num_seqs=num_seqs, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
+        out=out.data_ptr(), scratch=scratch.data_ptr(), max_len=max_len, num_threads=threads,
     )  # fmt: skip
     if status:
         raise ValueError("every seq_len must be between 1 and max_len")
@@ -105,9 +110,10 @@ def rms_norm(
     out = torch.empty_like(x)
     total = None if residual is None else torch.empty_like(x)
     _kernel("rms_norm", x.dtype)(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
-        out.data_ptr(), None if total is None else total.data_ptr(), x.shape[0], x.shape[1],
-        torch.get_num_threads(),
+        x=x.data_ptr(), residual=None if residual is None else residual.data_ptr(),
+        weight=weight.data_ptr(), eps=eps, out=out.data_ptr(),
+        sum_out=None if total is None else total.data_ptr(), rows=x.shape[0], hidden=x.shape[1],
+        num_threads=torch.get_num_threads(),
     )  # fmt: skip
     return out if total is None else (out, total)
 
@@ -144,9 +150,10 @@ def rotary(
     q_out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
     k_out = torch.empty(tokens, num_kv_heads, head_dim, dtype=q.dtype)
     status = _kernel("rotary", q.dtype)(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
-        cache.data_ptr(), cache.shape[0], tokens, num_heads, num_kv_heads, head_dim,
-        q_out.data_ptr(), k_out.data_ptr(), torch.get_num_threads(),
+        q=q.data_ptr(), q_stride=q.stride(0), k=k.data_ptr(), k_stride=k.stride(0),
+        positions=positions.data_ptr(), cache=cache.data_ptr(), max_positions=cache.shape[0],
+        tokens=tokens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        q_out=q_out.data_ptr(), k_out=k_out.data_ptr(), num_threads=torch.get_num_threads(),
     )  # fmt: skip
     if status == 2:
         raise ValueError(f"a position is outside the cache's {cache.shape[0]} positions")

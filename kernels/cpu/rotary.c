@@ -14,6 +14,7 @@
  * model's dtype; q_out [tokens, num_heads, head_dim], k_out [tokens, num_kv_heads, head_dim].
  */
 #include "common.h"
+#include "kernels.h"
 
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND)                                              \
     static inline void NAME##_head(const T *x, const T *cos, const T *sin, T *out,            \

@@ -1,9 +1,16 @@
 """The CPU kernels (kernels/cpu: C, built with the system compiler) against their references:
 decode attention from a paged cache, RMSNorm with and without its residual add, rotary on q
 and k read out of a fused QKV row. bfloat16 is emulated where the CPU lacks it: the kernels
-widen it to float32 themselves, so both dtypes run on every CPU."""
+widen it to float32 themselves, so both dtypes run on every CPU. And their one ABI, kernels.h:
+the definitions, the ctypes signatures and the calls all agree with it, or fail."""
 
 from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +22,7 @@ pytestmark = pytest.mark.skipif(
     build.available() is not None, reason=f"no CPU kernels here: {build.available()}"
 )
 CPU_DTYPES = [torch.float32, torch.bfloat16]
+HEADER = (build.HERE / "kernels.h").read_text()
 
 
 def _paged_context(dtype, lengths, block_size=16, num_kv_heads=3, head_dim=64, shuffle=True):
@@ -128,3 +136,109 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("CC")
     with pytest.raises(build.KernelBuildError, match="no C compiler found"):
         build.library_path()
+
+
+def _copy_of_sources(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    """The kernels' sources in tmp_path/src, with `old` replaced by `new` in `name`."""
+    src = tmp_path / "src"
+    shutil.copytree(build.HERE, src, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    text = (src / name).read_text()
+    assert old in text
+    (src / name).write_text(text.replace(old, new))
+    return src
+
+
+def _definitions(sources: Path) -> dict[str, build.Signature]:
+    """The exported kernels as their definitions in `sources` declare them, macros expanded
+    (so as the compiler sees them), read like kernels.h."""
+    exported = build.signatures(HEADER)
+    prototypes = []
+    for name, flags in build.SOURCES.items():
+        cmd = [build._compiler(), *build.COMMON, *flags, "-E", "-P", str(sources / name)]
+        code = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        for kernel, params in re.findall(r"\bint\s+(\w+)\s*\(([^()]*)\)\s*\{", code):
+            if kernel in exported:
+                prototypes.append(f"int {kernel}({params});")
+    return build.signatures("\n".join(prototypes))
+
+
+def test_the_ctypes_signatures_are_kernels_h_argument_by_argument():
+    signatures = build.signatures(HEADER)
+    kinds = ("decode_attention", "rms_norm", "rotary")
+    assert sorted(signatures) == sorted(f"{k}_{s}" for k in kinds for s in ("f32", "bf16"))
+    attention = signatures["decode_attention_f32"]
+    assert attention.params[10:13] == ("block_size", "scale", "out")
+    assert attention.argtypes[10:13] == (ctypes.c_int64, ctypes.c_float, ctypes.c_void_p)
+    # One argument drifted in a copy of the header: exactly that one changes in the signature.
+    old, new = "int64_t max_len, int64_t num_threads);", "float max_len, int64_t num_threads);"
+    drifted = build.signatures(HEADER.replace(old, new, 1))["decode_attention_f32"].argtypes
+    pairs = zip(attention.params, attention.argtypes, drifted, strict=True)
+    assert [name for name, was, now in pairs if was is not now] == ["max_len"]
+    # What the parser cannot read is an error, never skipped.
+    for broken in (
+        ("int64_t rows", "size_t rows"),
+        ("float eps,", "float,"),
+        ("#endif", "int (*f)(void);"),
+    ):
+        with pytest.raises(build.KernelBuildError, match="kernels.h"):
+            build.signatures(HEADER.replace(*broken))
+    kernels = build.load()
+    assert kernels.keys() == signatures.keys()
+    for name, kernel in kernels.items():
+        want = signatures[name]
+        assert kernel.params == want.params
+        assert (kernel.fn.argtypes, kernel.fn.restype) == (want.argtypes, want.restype)
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new", "error"),
+    [
+        # A definition whose types disagree with kernels.h.
+        (
+            "kernels.h",
+            "float scale, float *out",
+            "double scale, float *out",
+            r"conflicting types for .decode_attention_f32",
+        ),
+        # An exported function kernels.h does not declare.
+        (
+            "attention.c",
+            "int decode_attention_f32(",
+            "int decode_attention_f64(void) { return 0; }\nint decode_attention_f32(",
+            r"no previous prototype for .*decode_attention_f64",
+        ),
+    ],
+    ids=["type-drift", "undeclared"],
+)
+def test_a_definition_that_disagrees_with_kernels_h_does_not_compile(
+    tmp_path, name, old, new, error
+):
+    src = _copy_of_sources(tmp_path, name, old, new)
+    with pytest.raises(build.KernelBuildError, match=error):
+        build.compile_library(src, tmp_path)
+
+
+def test_the_definitions_name_their_parameters_as_kernels_h_does(tmp_path):
+    # The compiler checks types, not names, and calls pass their arguments by kernels.h's names.
+    assert _definitions(build.HERE) == build.signatures(HEADER)
+    # Two arguments of one type swapped in a definition (a macro's, here): it still compiles...
+    old, new = "int64_t rows, int64_t hidden", "int64_t hidden, int64_t rows"
+    swapped = _copy_of_sources(tmp_path, "norm.c", old, new)
+    build.compile_library(swapped, tmp_path)
+    # ...and the names tell.
+    drifted = _definitions(swapped)["rms_norm_f32"].params
+    assert drifted != build.signatures(HEADER)["rms_norm_f32"].params
+
+
+def test_a_kernel_call_names_every_argument_as_kernels_h_does():
+    kernel = build.load()["rms_norm_f32"]
+    args = dict.fromkeys(kernel.params, 0)  # refused before the C code could read them
+    renamed = {("width" if name == "hidden" else name): v for name, v in args.items()}
+    with pytest.raises(
+        TypeError, match="rms_norm_f32.. got an unexpected keyword argument 'width'"
+    ):
+        kernel.call(**renamed)
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'eps'"):
+        kernel.call(**{name: v for name, v in args.items() if name != "eps"})
+    with pytest.raises(TypeError, match="takes 0 positional arguments"):
+        kernel.call(*args.values())

@@ -1,0 +1,42 @@
+/* Every function the CPU kernels' shared library exports: the one place their arguments are
+ * written. Each .c file includes it, so the compiler checks each definition against it
+ * (-Werror=missing-prototypes: nothing is exported that is not here), and build.py reads it
+ * for the ctypes signatures and the parameter names ops.py calls by. So it stays plain: one
+ * prototype per statement, pointers to float, uint16_t (bfloat16, as its bits), int32_t or
+ * int64_t, and int64_t, float or int values. Every kernel returns 0, or a code for arguments
+ * it refuses. Layouts are described in each kernel's file. */
+#ifndef STEPSCOPE_CPU_KERNELS_H
+#define STEPSCOPE_CPU_KERNELS_H
+
+#include <stdint.h>
+
+/* attention.c */
+int decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                         const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, float *out,
+                         float *scratch, int64_t max_len, int64_t num_threads);
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, float scale, uint16_t *out,
+                          float *scratch, int64_t max_len, int64_t num_threads);
+
+/* norm.c */
+int rms_norm_f32(const float *x, const float *residual, const float *weight, float eps,
+                 float *out, float *sum_out, int64_t rows, int64_t hidden, int64_t num_threads);
+int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, float eps,
+                  uint16_t *out, uint16_t *sum_out, int64_t rows, int64_t hidden,
+                  int64_t num_threads);
+
+/* rotary.c */
+int rotary_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+               const int64_t *positions, const float *cache, int64_t max_positions,
+               int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               float *q_out, float *k_out, int64_t num_threads);
+int rotary_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                const int64_t *positions, const uint16_t *cache, int64_t max_positions,
+                int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                uint16_t *q_out, uint16_t *k_out, int64_t num_threads);
+
+#endif

@@ -1,0 +1,80 @@
+"""Chart pieces more than one chart draws: the decode/prefill token bars with their
+preemption marks and hover (the simulator's many-steps chart and the engine page's token chart),
+the per-step hover and finish of the engine page's step charts, and the replay's step markers.
+
+Each piece draws on a figure from `ui.new_figure`, reading the column names its docstring gives
+from the source it is handed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bokeh.models import ColumnDataSource, GlyphRenderer, HoverTool, Span
+from bokeh.plotting import figure
+
+from stepscope.viz.ui import COLORS, outside_legend
+
+
+def token_bars(
+    fig: figure,
+    source: ColumnDataSource,
+    width: float,
+    labels: tuple[str, str] = ("decode", "prefill"),
+) -> list[GlyphRenderer]:
+    """Decode and prefill tokens per step, stacked (columns `step`, `decode`, `prefill`)."""
+    return fig.vbar_stack(
+        ["decode", "prefill"],
+        x="step",
+        width=width,
+        source=source,
+        color=[COLORS["decode"], COLORS["prefill"]],
+        legend_label=list(labels),
+    )
+
+
+def preemption_marks(fig: figure, source: ColumnDataSource, size: int) -> GlyphRenderer:
+    """A triangle above the bars at each step that preempted (columns `step`, `y`)."""
+    return fig.scatter(
+        "step",
+        "y",
+        source=source,
+        marker="inverted_triangle",
+        size=size,
+        color=COLORS["preempt"],
+        legend_label="preemption",
+    )
+
+
+def token_hover(fig: figure, renderers: Sequence[GlyphRenderer], *more: tuple[str, str]) -> None:
+    """A step's decode and prefill tokens (and `more` tooltips) over `renderers`."""
+    tooltips = [("step", "@step"), ("decode", "@decode"), ("prefill", "@prefill"), *more]
+    fig.add_tools(HoverTool(renderers=list(renderers), tooltips=tooltips))
+
+
+def finish_step_chart(
+    fig: figure, columns: Sequence[str], renderers: Sequence[GlyphRenderer] | None = None
+) -> None:
+    """A hover listing the step and `columns` at the pointer's step (over `renderers`, default
+    all), the y axis from 0 and the legend outside."""
+    tooltips = [("step", "@step"), *((column, f"@{column}") for column in columns)]
+    hover: dict[str, Any] = {} if renderers is None else {"renderers": list(renderers)}
+    fig.add_tools(HoverTool(tooltips=tooltips, mode="vline", **hover))
+    fig.y_range.start = 0
+    outside_legend(fig)
+
+
+def step_markers(count: int) -> list[Span]:
+    """One dashed line per chart, hidden until the player marks a step on it."""
+    return [
+        Span(
+            location=0,
+            dimension="height",
+            line_color="#33414e",
+            line_width=1.5,
+            line_dash="dashed",
+            visible=False,
+        )
+        for _ in range(count)
+    ]
