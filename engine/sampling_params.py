@@ -16,6 +16,15 @@ MAX_PENALTY = 2.0
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+class FieldError(ValueError):
+    """Bad user input that names the request field it refuses (`param`, a dotted path such as
+    `stop.1`): the server answers it with a 400 whose `param` is that field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop. A msgspec struct so it crosses processes as is.
 
@@ -41,7 +50,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before sampling (OpenAI's `logit_bias`).
     logit_bias: dict[int, float] | None = None
-    # OpenAI's and vLLM's penalties, held to their ranges; the sampler does not apply them yet.
+    # OpenAI's presence and frequency penalties (over output tokens) and vLLM's repetition
+    # penalty (over prompt and output tokens), applied by the worker's sampler.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -57,7 +67,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "repetition_penalty",
         ):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+                raise FieldError(name, f"{name} must be a finite number, got {getattr(self, name)}")
         for name in (
             "n",
             "top_k",
@@ -69,54 +79,63 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         ):
             value = getattr(self, name)
             if value is not None and not _INT64[0] <= value <= _INT64[1]:
-                raise ValueError(f"{name} must fit in a 64-bit integer, got {value}")
+                raise FieldError(name, f"{name} must fit in a 64-bit integer, got {value}")
         if any(not _INT64[0] <= t <= _INT64[1] for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be token ids of the vocabulary")
+            raise FieldError("stop_token_ids", "stop_token_ids must be token ids of the vocabulary")
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
                 if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
-                    raise ValueError(
+                    raise FieldError(
+                        "logit_bias",
                         f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
-                        f"{MAX_LOGIT_BIAS:g}], got {bias} for token {token}"
+                        f"{MAX_LOGIT_BIAS:g}], got {bias} for token {token}",
                     )
                 if not 0 <= token <= _INT64[1]:
-                    raise ValueError(f"logit_bias keys must be token ids, got {token}")
+                    raise FieldError(
+                        "logit_bias", f"logit_bias keys must be token ids, got {token}"
+                    )
         if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
+            raise FieldError("n", f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise FieldError("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise ValueError(
+                raise FieldError(
+                    name,
                     f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
-                    f"got {getattr(self, name)}"
+                    f"got {getattr(self, name)}",
                 )
         if self.repetition_penalty <= 0:
-            raise ValueError(
-                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+            raise FieldError(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}",
             )
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise FieldError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise FieldError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            raise FieldError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+            raise FieldError(
+                "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
+            )
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"
+            raise FieldError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
             )
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise FieldError("stop", "stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+            raise FieldError("stop_token_ids", "stop_token_ids must be non-negative token ids")
 
     @property
     def greedy(self) -> bool:

@@ -35,7 +35,7 @@ from stepscope.engine.core.engine_core import EngineCore
 from stepscope.engine.frontend.core_client import InprocClient, SyncMPClient
 from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
 from stepscope.engine.frontend.output_processor import OutputProcessor
-from stepscope.engine.frontend.parallel_sampling import child_requests, merge_outputs
+from stepscope.engine.frontend.parallel_sampling import ParentRequest
 from stepscope.engine.messages import ProcessInfo
 from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
 from stepscope.engine.outputs import RequestOutput
@@ -296,21 +296,22 @@ class LLM:
                     f"got {len(params_list)} SamplingParams for {len(token_lists)} prompts"
                 )
         # Validate everything before the first request enters the engine: all or nothing.
-        request_ids = [str(next(self._ids)) for _ in token_lists]
-        families = [
-            [
-                self.processor.process(child_id, tokens, child_params, arrival_time)
-                for child_id, child_params in child_requests(rid, params)
-            ]
-            for rid, tokens, params in zip(request_ids, token_lists, params_list, strict=True)
+        # n > 1 fans out into n engine-core requests, merged back below (as in AsyncLLM).
+        parents = [
+            ParentRequest(
+                self.processor.process(str(next(self._ids)), tokens, params, arrival_time)
+            )
+            for tokens, params in zip(token_lists, params_list, strict=True)
         ]
         operation = names.OPERATION_TEXT_COMPLETION if texts_are_prompts else names.OPERATION_CHAT
         spans: dict[str, Any] = {}  # each child's `stepscope.request` span, ended as it finishes
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=sum(map(len, families)), desc="generate", disable=not use_tqdm)
+        bar = tqdm(
+            total=sum(len(p.children) for p in parents), desc="generate", disable=not use_tqdm
+        )
         try:
-            for text, family in zip(texts, families, strict=True):
-                for req in family:
+            for text, parent in zip(texts, parents, strict=True):
+                for req in parent.children:
                     state = self.output_processor.add_request(
                         req, operation=operation, stream=False, prompt=text
                     )
@@ -335,10 +336,7 @@ class LLM:
             bar.close()
             for span in spans.values():
                 span.end()
-        return [
-            merge_outputs(rid, [finished[req.request_id] for req in family], prompt=text)
-            for rid, text, family in zip(request_ids, texts, families, strict=True)
-        ]
+        return [parent.merge([finished[i] for i in parent.child_ids]) for parent in parents]
 
 
 def _shutdown_at_exit(ref: weakref.ref[LLM]) -> None:

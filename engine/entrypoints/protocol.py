@@ -1,7 +1,9 @@
 """OpenAI-compatible request and response bodies (stage 1: what crosses HTTP).
 
 Requests are pydantic models, so /openapi.json describes them; anything they accept still goes
-through SamplingParams' own validation before it reaches the engine.
+through SamplingParams' own validation (`to_sampling_params`) before it reaches the engine. Bad
+input anywhere on the way raises `FieldError`, which names the field; `APIError` is any other
+answer that is not a 200, in OpenAI's error shape (`error_body`).
 """
 
 from __future__ import annotations
@@ -12,13 +14,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# FieldError is defined beside SamplingParams, which raises it (in every process).
+from stepscope.engine.sampling_params import FieldError, SamplingParams
 
-class FieldError(ValueError):
-    """A validation error about one field of the body, named by its dotted path (`stop.1`)."""
 
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
+class APIError(Exception):
+    """An answer other than 200: its status, and the error body's type, param and code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = code if code is not None else status
+        self.headers = headers
 
 
 def _first_lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -52,7 +67,7 @@ def text_is_unicode(data: Any) -> Any:
     """A body validator: refuse a body that holds a lone surrogate anywhere."""
     where = _first_lone_surrogate(data)
     if where is not None:
-        raise FieldError(where, "holds a lone UTF-16 surrogate, which is not valid text")
+        raise FieldError(where, f"{where}: holds a lone UTF-16 surrogate, which is not valid text")
     return data
 
 
@@ -93,6 +108,38 @@ class _Common(BaseModel):
     def _text_is_unicode(cls, data: Any) -> Any:
         return text_is_unicode(data)
 
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        logit_bias = None
+        if self.logit_bias:
+            try:
+                logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise FieldError(
+                    "logit_bias", "logit_bias keys must be token ids (integers)"
+                ) from None
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=logit_bias,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+        )
+
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -100,6 +147,29 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, description="top log-probabilities per token")
     echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string, one list of token ids, or a list of either."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if not self.prompt:
+            raise FieldError("prompt", "prompt must not be empty")
+        if all(isinstance(t, int) for t in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def score_only(self) -> bool:
+        """`echo` with `max_tokens: 0` scores the prompt and generates nothing (what
+        loglikelihood evals send); the engine still runs one step, whose token is dropped."""
+        return self.echo and self.max_tokens == 0
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(
+            1 if self.score_only else self.max_tokens,
+            self.logprobs,
+            self.logprobs if self.echo else None,
+        )
 
 
 class ChatMessage(BaseModel):
@@ -114,9 +184,14 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
+                raise FieldError("messages", "only text content parts are supported")
             parts.append(part["text"])
         return "".join(parts)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template takes them."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 class ChatCompletionRequest(_Common):
@@ -124,6 +199,14 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
+        top = self.top_logprobs if self.top_logprobs is not None else 0
+        return self._sampling_params(
+            self.max_completion_tokens or self.max_tokens, top if self.logprobs else None
+        )
 
 
 class _TokenizeBase(BaseModel):

@@ -1,6 +1,8 @@
 """Input processing in the API process: prompt to token ids, validated (stages 1 and 2).
 
-Bad input raises ValueError here, at the edge, so it never reaches the engine core's busy loop.
+Bad input raises `FieldError` (a ValueError naming the request field it refuses) here, at the
+edge, so it never reaches the engine core's busy loop; a server answers it with a 400 that names
+the field.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import time
 from typing import Any
 
 from stepscope.engine.messages import EngineCoreRequest
-from stepscope.engine.sampling_params import SamplingParams
+from stepscope.engine.sampling_params import FieldError, SamplingParams
 
 PromptType = str | list[int]
 
@@ -26,17 +28,21 @@ class InputProcessor:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"the prompt is not valid Unicode text: {e.reason}") from None
+                raise FieldError(
+                    "prompt", f"the prompt is not valid Unicode text: {e.reason}"
+                ) from None
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        raise ValueError("a prompt must be a string or a list of token ids")
+        raise FieldError("prompt", "a prompt must be a string or a list of token ids")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+            raise FieldError(
+                "messages", "messages must be a list of {'role': ..., 'content': ...} dicts"
+            )
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
@@ -65,45 +71,48 @@ class InputProcessor:
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError unless the prompt is non-empty, in the vocabulary and shorter than
+        """Raise FieldError unless the prompt is non-empty, in the vocabulary and shorter than
         the context."""
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise FieldError("prompt", "the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise FieldError("prompt", f"prompt token ids must be in [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise FieldError(
+                "prompt",
                 f"the prompt has {len(prompt_token_ids)} tokens, but the model's context is "
-                f"{self.max_model_len} tokens and at least one must be left to generate"
+                f"{self.max_model_len} tokens and at least one must be left to generate",
             )
 
     def validate_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError when the prompt plus `max_tokens` cannot fit in the context (which
+        """Raise FieldError when the prompt plus `max_tokens` cannot fit in the context (which
         the engine core has fitted to the KV cache): such a request could never finish."""
         if params.max_tokens is None:
             return  # generate until the context is full
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise FieldError(
+                "max_tokens",
                 f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt_token_ids)} "
                 f"tokens) exceeds the context of {self.max_model_len} tokens; ask for at most "
-                f"{self.max_model_len - len(prompt_token_ids)} tokens"
+                f"{self.max_model_len - len(prompt_token_ids)} tokens",
             )
 
     def validate_token_ids(self, params: SamplingParams) -> None:
-        """Raise ValueError for `stop_token_ids` or `logit_bias` ids outside the vocabulary."""
+        """Raise FieldError for `stop_token_ids` or `logit_bias` ids outside the vocabulary."""
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or ()),
         ):
             bad = sorted(t for t in ids if not 0 <= t < self.vocab_size)
             if bad:
-                raise ValueError(
+                raise FieldError(
+                    name,
                     f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): "
-                    f"{', '.join(map(str, bad[:5]))}"
+                    f"{', '.join(map(str, bad[:5]))}",
                 )
 
     def validate_stop(self, params: SamplingParams) -> None:
-        """Raise ValueError for a stop string longer than the context: it could never match."""
+        """Raise FieldError for a stop string longer than the context: it could never match."""
         for i, stop in enumerate(params.stop):
             # A string has at most one token per UTF-8 byte, plus a leading-space marker some
             # tokenizers add, so the common short stop string need not be tokenized.
@@ -111,7 +120,8 @@ class InputProcessor:
                 continue
             num_tokens = len(self.tokenizer.encode(stop, add_special_tokens=False))
             if num_tokens > self.max_model_len:
-                raise ValueError(
+                raise FieldError(
+                    "stop",
                     f"stop string {i} is {num_tokens} tokens long, longer than the model's "
-                    f"context of {self.max_model_len} tokens, so it could never match"
+                    f"context of {self.max_model_len} tokens, so it could never match",
                 )

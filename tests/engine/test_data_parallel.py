@@ -16,7 +16,8 @@ import pytest
 
 from stepscope.engine import LLM, SamplingParams
 from stepscope.engine.frontend.async_llm import AsyncLLM
-from stepscope.engine.frontend.core_client import EngineDeadError, LoadBalancer, merge_stats
+from stepscope.engine.frontend.engine_group import EngineDeadError
+from stepscope.engine.frontend.load_balancer import LoadBalancer, merge_stats
 from tests.process_tree import pid_alive, wait_pids_gone
 
 PROMPTS = [f"Request {i}: " + "word " * (3 + 5 * i) for i in range(6)]

@@ -18,7 +18,7 @@ import pytest
 
 from stepscope.engine import LLM, SamplingParams
 from stepscope.engine.frontend.async_llm import AsyncLLM
-from stepscope.engine.frontend.core_client import EngineDeadError
+from stepscope.engine.frontend.engine_group import EngineDeadError
 from tests.process_tree import pid_alive, wait_pids_gone
 
 PROMPTS = [

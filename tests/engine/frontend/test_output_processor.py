@@ -1,19 +1,16 @@
-"""The output processor (stages 9-10) and the n > 1 fan-out, fed hand-made engine-core outputs:
-stop strings end and abort requests, metrics are filled, children fan out and merge back."""
+"""The output processor (stages 9-10), fed hand-made engine-core outputs: stop strings end and
+abort requests, metrics are filled."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from stepscope.engine.frontend.output_processor import OutputProcessor
-from stepscope.engine.frontend.parallel_sampling import child_requests, interleave, merge_outputs
 from stepscope.engine.messages import EngineCoreOutput, EngineCoreRequest, Logprob
 from stepscope.engine.models.loader import load_tokenizer, resolve_model
-from stepscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from stepscope.engine.outputs import RequestMetrics
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
 from stepscope.traces.names import RequestEvent
@@ -141,80 +138,3 @@ def test_request_id_in_flight_is_refused(tok: Any) -> None:
     add(proc, SamplingParams(), stream=True)
     with pytest.raises(ValueError, match="already in flight"):
         add(proc, SamplingParams(), stream=True)
-
-
-def test_n_1_is_its_own_child() -> None:
-    params = SamplingParams(seed=7)
-    assert child_requests("cmpl-x", params) == [("cmpl-x", params)]
-
-
-def test_n_3_fans_out_to_children_with_derived_ids_and_seeds() -> None:
-    children = child_requests("cmpl-x", SamplingParams(n=3, seed=7, temperature=0.5))
-    assert [rid for rid, _ in children] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"]
-    assert [p.seed for _, p in children] == [7, 8, 9]
-    assert all(p.n == 1 and p.temperature == 0.5 for _, p in children)
-    unseeded = child_requests("r", SamplingParams(n=2))
-    assert [p.seed for _, p in unseeded] == [None, None]
-
-
-def test_merge_puts_each_child_at_its_choice_index() -> None:
-    def child(k: int) -> RequestOutput:
-        return RequestOutput(
-            request_id=f"r-{k}",
-            prompt="p",
-            prompt_token_ids=[1, 2],
-            outputs=[CompletionOutput(index=0, text=f"t{k}", token_ids=[k])],
-            finished=True,
-            metrics=RequestMetrics(arrival_time=float(k), num_cached_tokens=k + 4),
-            prompt_logprobs=[None, {2: -1.0}] if k == 1 else None,
-        )
-
-    merged = merge_outputs("r", [child(0), child(1)])
-    assert merged.request_id == "r" and merged.finished and merged.prompt == "p"
-    assert [(c.index, c.text) for c in merged.outputs] == [(0, "t0"), (1, "t1")]
-    assert merged.metrics.arrival_time == 0.0 and merged.num_cached_tokens == 4
-    assert [m.arrival_time for m in merged.children_metrics] == [0.0, 1.0]
-    assert merged.prompt_logprobs == [None, {2: -1.0}]
-
-
-def test_interleave_yields_every_childs_items_with_its_key() -> None:
-    async def items(*xs: str) -> AsyncIterator[str]:
-        for x in xs:
-            await asyncio.sleep(0)
-            yield x
-
-    async def collect() -> list[tuple[int, str]]:
-        return [item async for item in interleave({0: items("a", "b"), 1: items("c")})]
-
-    got = asyncio.run(collect())
-    assert sorted(got) == [(0, "a"), (0, "b"), (1, "c")]
-    assert [x for k, x in got if k == 0] == ["a", "b"]
-
-
-def test_interleave_raises_a_childs_error_and_cancels_the_others() -> None:
-    cancelled = asyncio.Event()
-
-    async def forever() -> AsyncIterator[str]:
-        try:
-            yield "x"
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    async def broken() -> AsyncIterator[str]:
-        await asyncio.sleep(0.01)
-        raise RuntimeError("child failed")
-        yield ""  # an async generator
-
-    async def run() -> None:
-        merged = interleave({0: forever(), 1: broken()})
-        try:
-            with pytest.raises(RuntimeError, match="child failed"):
-                async for _ in merged:
-                    pass
-        finally:
-            await merged.aclose()
-        assert cancelled.is_set()
-
-    asyncio.run(run())

@@ -1,0 +1,335 @@
+"""Process launching and the start-up handshake of the engine side, run by whoever starts the
+engine cores: the API server with one API server, else the launcher (`stepscope serve` with several
+API servers or machines). Mirrors vLLM's vllm/v1/engine/utils.py (`CoreEngineProcManager`,
+`launch_core_engines`).
+
+- `EngineGroup`: the DP coordinator when DP > 1, an engine-core process per local DP rank, and the
+  handshake that waits until every rank is ready.
+- `EngineHandles`: what an API server needs to reach engine cores it did not start.
+- `start_core_process`, `stop_process`: one engine-core process, started or stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from stepscope.engine.config import EngineConfig
+from stepscope.engine.messages import (
+    CoreAddresses,
+    CoreProcArgs,
+    EngineCoreReady,
+    EngineDead,
+    OutputKind,
+    ProcessInfo,
+    RequestKind,
+)
+from stepscope.traces.process import free_port
+
+STARTUP_TIMEOUT_S = 600.0  # the first start may convert the default model (~20 s) and load it
+POLL_MS = 100
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core (or one of its workers) died; no request can be served any more."""
+
+
+# What an engine core sends to the handshake socket: ready, or dead before it got there.
+_HANDSHAKE_DECODERS = {
+    OutputKind.READY: msgspec.msgpack.Decoder(EngineCoreReady),
+    OutputKind.DEAD: msgspec.msgpack.Decoder(EngineDead),
+}
+
+
+class EngineHandles(msgspec.Struct, array_like=True):
+    """What an API server needs to reach every engine core that a launcher started (or that
+    registered with it from another machine)."""
+
+    input_addrs: list[str]  # per DP rank: where its engine core takes requests
+    ready: list[EngineCoreReady]  # per DP rank: its handshake
+    publish_addr: str | None = None  # the DP coordinator's loads (DP > 1)
+    coordinator_pid: int | None = None
+    local_pids: list[int] = []  # engine cores and coordinator on this machine, to watch
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.ready[0].num_kv_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.ready[0].max_model_len
+
+    def processes(self) -> list[ProcessInfo]:
+        coordinator = (
+            [ProcessInfo("dp_coordinator", 0, self.coordinator_pid)]
+            if self.coordinator_pid is not None
+            else []
+        )
+        return [*coordinator, *(p for ready in self.ready for p in ready.processes)]
+
+
+def describe_rank(dp_size: int, rank: int, what: str) -> str:
+    if dp_size == 1:
+        return f"the engine core {what}"
+    return f"the engine core of DP rank {rank} {what}"
+
+
+def _spawn(module: str, args: msgspec.Struct) -> subprocess.Popen:
+    """A fresh interpreter running `module`, its arguments on stdin. Not multiprocessing: nothing
+    of this process (its __main__, threads, tracer provider) is inherited, and user scripts need
+    no __main__ guard."""
+    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(msgspec.msgpack.encode(args))
+    proc.stdin.close()
+    return proc
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # SIGTERM: an engine core stops its workers on the way out
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(5)
+
+
+class EngineGroup:
+    """The engine side of a deployment, as its launcher holds it (vLLM: `CoreEngineProcManager`
+    with `launch_core_engines`): the DP coordinator when DP > 1, an engine-core process for each
+    local DP rank, and the handshake that waits until every rank, local or registering from
+    another machine, is ready, then tells each where its API servers listen.
+
+    `output_addrs` are the API servers' output sockets, by client index (they bind them).
+    `local_ranks` defaults to every rank; `handshake_bind` (a TCP address) lets engine cores on
+    other machines register (`stepscope serve --headless`), and `host` is then the address this
+    machine is reached at. Starting fails as a whole, and stops what did start.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        output_addrs: list[str],
+        *,
+        local_ranks: range | None = None,
+        handshake_bind: str | None = None,
+        host: str | None = None,
+        ready_timeout: float = STARTUP_TIMEOUT_S,
+    ) -> None:
+        self.size = config.data_parallel_size
+        local_ranks = range(self.size) if local_ranks is None else local_ranks
+        self._dir = tempfile.mkdtemp(prefix="stepscope-")
+        self._ctx = zmq.Context()
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.coordinator: subprocess.Popen | None = None
+        self._coordinators: list[subprocess.Popen] = []  # the one above, for the finalizer
+        self._inputs: list[zmq.Socket] = []
+        self._finalizer = weakref.finalize(
+            self, _stop_group, self.procs, self._coordinators, self._dir, self._ctx
+        )
+        try:
+            self._start(config, model_dir, output_addrs, local_ranks, handshake_bind, host,
+                        ready_timeout)  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        output_addrs: list[str],
+        local_ranks: range,
+        handshake_bind: str | None,
+        host: str | None,
+        ready_timeout: float,
+    ) -> None:
+        from stepscope.engine.core.dp_coordinator import CoordinatorArgs
+
+        router = self._ctx.socket(zmq.ROUTER)
+        handshake_addr = handshake_bind or f"ipc://{self._dir}/handshake"
+        router.bind(handshake_addr)
+        coordinator_addr = head_addr = None
+        self.publish_addr = None
+        if self.size > 1:
+            if len(local_ranks) < self.size and host:  # ranks on other machines too
+                coordinator_addr = f"tcp://{host}:{free_port(host)}"
+                head_addr = f"tcp://{host}:{free_port(host)}"
+            else:
+                coordinator_addr = f"ipc://{self._dir}/loads"
+            self.publish_addr = f"ipc://{self._dir}/publish"
+            self.coordinator = _spawn(
+                "stepscope.engine.core.dp_coordinator",
+                CoordinatorArgs(
+                    self.size,
+                    coordinator_addr,
+                    self.publish_addr,
+                    os.getpid(),
+                    config.collector_endpoint,
+                    config.otlp_endpoint,
+                    head_addr,
+                ),
+            )
+            self._coordinators.append(self.coordinator)
+        for local, rank in enumerate(local_ranks):
+            self.procs[rank] = start_core_process(
+                config,
+                model_dir,
+                rank,
+                handshake_addr,
+                f"ipc://{self._dir}/core-{rank}",
+                local,
+                len(local_ranks),
+            )
+        self.ready: list[EngineCoreReady | None] = [None] * self.size
+        answer = msgspec.msgpack.encode(CoreAddresses(output_addrs, coordinator_addr, head_addr))
+        deadline = time.monotonic() + ready_timeout
+        try:
+            while any(r is None for r in self.ready):
+                if router.poll(POLL_MS):
+                    identity, kind, rank_frame, payload = router.recv_multipart()
+                    rank = int(rank_frame)
+                    msg = _HANDSHAKE_DECODERS[kind].decode(payload)
+                    if kind == OutputKind.DEAD:
+                        raise EngineDeadError(describe_rank(self.size, rank, msg.reason))
+                    if not 0 <= rank < self.size or self.ready[rank] is not None:
+                        continue  # a stray or duplicate registration: not ours
+                    self.ready[rank] = msg
+                    router.send_multipart([identity, answer])
+                self._check_started(local_ranks)
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(self._timeout_message(local_ranks, ready_timeout,
+                                                                handshake_addr))  # fmt: skip
+        finally:
+            router.close(linger=1000)
+        self.input_addrs = [r.input_addr for r in self.ready]  # type: ignore[union-attr]
+        for addr in self.input_addrs:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            self._inputs.append(sock)
+
+    def _check_started(self, local_ranks: range) -> None:
+        for rank, proc in self.procs.items():
+            if proc.poll() is not None and self.ready[rank] is None:
+                raise EngineDeadError(
+                    describe_rank(
+                        self.size,
+                        rank,
+                        f"exited during start-up (exit code {proc.poll()}); its error is "
+                        "printed above",
+                    )
+                )
+        if self.coordinator is not None and self.coordinator.poll() is not None:
+            raise EngineDeadError(
+                f"the DP coordinator exited during start-up (exit code {self.coordinator.poll()})"
+            )
+
+    def _timeout_message(self, local_ranks: range, timeout: float, handshake_addr: str) -> str:
+        missing = [r for r, ready in enumerate(self.ready) if ready is None]
+        remote = [r for r in missing if r not in local_ranks]
+        if remote:
+            return (
+                f"no engine core of DP ranks {remote} registered at {handshake_addr} within "
+                f"{timeout:.0f} s: start `stepscope serve --headless ...` on the machine(s) that "
+                "hold them, with the same --data-parallel-address and --data-parallel-rpc-port"
+            )
+        return f"the engine cores of DP ranks {missing} did not start within {timeout:.0f} s"
+
+    def handles(self) -> EngineHandles:
+        return EngineHandles(
+            input_addrs=self.input_addrs,
+            ready=self.ready,  # type: ignore[arg-type]
+            publish_addr=self.publish_addr,
+            coordinator_pid=self.coordinator.pid if self.coordinator is not None else None,
+            local_pids=[p.pid for p in self._all_procs()],
+        )
+
+    def _all_procs(self) -> list[subprocess.Popen]:
+        coordinator = [self.coordinator] if self.coordinator is not None else []
+        return [*self.procs.values(), *coordinator]
+
+    def watched(self) -> list[tuple[subprocess.Popen, str]]:
+        """Every local process with what its death means, for a watchdog."""
+        out = [
+            (proc, describe_rank(self.size, rank, "process died"))
+            for rank, proc in self.procs.items()
+        ]
+        if self.coordinator is not None:
+            out.append((self.coordinator, "the DP coordinator process died"))
+        return out
+
+    def dead_reason(self) -> str | None:
+        """Why the group cannot serve any more (a local process exited), or None; never blocks."""
+        for proc, what in self.watched():
+            if proc.poll() is not None:
+                return f"{what} (exit code {proc.poll()})"
+        return None
+
+    def shutdown(self) -> None:
+        """Ask every engine core (remote ones too) to stop, then make sure the local ones do."""
+        for sock in self._inputs:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart([RequestKind.SHUTDOWN, b""], zmq.NOBLOCK)
+        # Nobody routes by the coordinator's loads any more, and ranks that stop reporting
+        # while they flush their spans are not lost: stop it first.
+        if self.coordinator is not None:
+            stop_process(self.coordinator)
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+        self.stop()
+
+    def stop(self) -> None:
+        for sock in self._inputs:
+            sock.close(linger=500)
+        self._inputs.clear()
+        self._finalizer()
+
+
+def _stop_group(procs: dict, coordinator: list, folder: str, ctx: zmq.Context) -> None:
+    for proc in [*procs.values(), *coordinator]:
+        stop_process(proc)
+    shutil.rmtree(folder, ignore_errors=True)
+    ctx.destroy(linger=0)
+
+
+def start_core_process(
+    config: EngineConfig,
+    model_dir: Path,
+    rank: int,
+    handshake_addr: str,
+    input_bind: str,
+    local_index: int = 0,
+    local_size: int | None = None,
+) -> subprocess.Popen:
+    """One engine-core process for DP rank `rank`, the `local_index`-th of `local_size` on this
+    machine; it registers at `handshake_addr`."""
+    rank_config = dataclasses.replace(
+        config,
+        data_parallel_rank=rank,
+        data_parallel_rank_local=local_index,
+        data_parallel_size_local=local_size,
+    )
+    return _spawn(
+        "stepscope.engine.core.core_proc",
+        CoreProcArgs(
+            config=dataclasses.asdict(rank_config),
+            model_dir=str(model_dir),
+            handshake_addr=handshake_addr,
+            input_bind=input_bind,
+            parent_pid=os.getpid(),
+        ),
+    )
