@@ -9,7 +9,8 @@ and 9 of docs/request-path.md).
 | engine core -> API        | EngineCoreOutputs   |
 
 Workers get diffs, not whole batches: a request's tokens and sampling parameters cross once, in
-`NewRequestData`; afterwards only its new block ids and token counts do.
+`NewRequestData`; afterwards only its new block ids and token counts do. Below the four messages:
+the frame kinds and addresses of the engine core's sockets and of its workers'.
 """
 
 from __future__ import annotations
@@ -189,3 +190,36 @@ class CoreProcArgs(msgspec.Struct):
     handshake_addr: str  # the launcher's ROUTER: READY or DEAD goes there, CoreAddresses back
     input_bind: str  # where to listen: an ipc path, or "tcp://HOST:*" for any free port
     parent_pid: int
+
+
+# ---- the worker processes: what the engine core broadcasts, what its workers reply ----
+class WorkerRequestKind:
+    """First frame of every message the engine core broadcasts to its workers (the second is
+    the msgpack payload)."""
+
+    STEP = b"step"  # SchedulerOutput
+    CALL = b"call"  # (method, args): one of WORKER_UTILITY_METHODS, answered by every rank
+    STOP = b"stop"
+
+
+# Worker methods the engine core may call on every rank; anything else is refused.
+WORKER_UTILITY_METHODS = frozenset({"determine_num_kv_blocks", "init_kv_cache", "flush_traces"})
+
+
+class WorkerReplyKind:
+    """First frame of every message to the engine core's reply socket; the second is msgpack
+    (rank, seconds), the third the payload."""
+
+    READY = b"ready"  # the worker's pid
+    OUTPUT = b"output"  # ModelRunnerOutput, rank 0 only; seconds = time inside execute_model
+    RESULT = b"result"  # a utility call's result
+    ERROR = b"error"  # start-up or step exception text; the worker then exits
+    HEARTBEAT = b"beat"  # a worker machine's `run_worker_node`, every HEARTBEAT_S; rank = node
+
+
+class WorkerAddresses(msgspec.Struct, array_like=True):
+    """Where the workers of one engine core meet it and each other."""
+
+    bcast: str  # the core's XPUB: steps and calls out to every rank
+    results: str  # the core's PULL: outputs, results, errors (and other machines' heartbeats)
+    dist_init: str  # torch.distributed's TCP rendezvous

@@ -33,7 +33,7 @@ from pathlib import Path
 import msgspec
 
 from stepscope.engine.config import EngineConfig
-from stepscope.engine.frontend.core_client import (
+from stepscope.engine.frontend.engine_group import (
     EngineGroup,
     EngineHandles,
     start_core_process,
@@ -241,7 +241,7 @@ def run_headless(args: argparse.Namespace, engine_args: dict) -> None:
     config = EngineConfig(model=args.model, offline=False, **engine_args)
     model_dir = resolve_model(args.model)
     if config.nnodes > 1:
-        from stepscope.engine.executor.multiproc_executor import run_worker_node
+        from stepscope.engine.worker.worker_proc import run_worker_node
 
         code = run_worker_node(config, model_dir)
         if code:

@@ -1,18 +1,20 @@
 """The multi-process executor: one worker process per tensor-parallel rank (stages 5 and 7:
 core -> worker -> core, across processes).
 
-Built inside the engine-core process. Workers are started with the "spawn" context (forking a
-process that already runs torch threads can deadlock the child) and each builds its own `Worker`
-after it starts; ranks of a tensor-parallel group all-reduce over torch.distributed (gloo on CPU,
-NCCL on CUDA). Every rank gets every message; only rank 0 returns the `ModelRunnerOutput`, since
-all ranks sample the same tokens (identical logits after the all-reduce, same sampler seed).
+Built inside the engine-core process; this is the engine core's side of the sockets. The worker
+processes (spawned, each building its own `Worker`; ranks all-reduce over torch.distributed) run
+engine/worker/worker_proc.py. Every rank gets every message; only rank 0 returns the
+`ModelRunnerOutput`, since all ranks sample the same tokens (identical logits after the
+all-reduce, same sampler seed).
 
-Channels (sockets live in a private temp dir):
-- core -> workers: ZMQ XPUB -> SUB over ipc://, frames [kind, msgpack payload]. Kinds: `step`
-  (a SchedulerOutput), `call` (a utility method name and its arguments), `stop`.
+Channels (sockets live in a private temp dir; the kinds are in engine/messages.py):
+- core -> workers: ZMQ XPUB -> SUB over ipc://, frames [kind, msgpack payload]. Kinds
+  (`WorkerRequestKind`): `step` (a SchedulerOutput), `call` (a utility method name and its
+  arguments), `stop`.
 - workers -> core: ZMQ PUSH -> PULL over ipc://, frames [kind, msgpack (rank, seconds), payload].
-  Kinds: `ready`, `output` (rank 0 only; seconds = time inside `execute_model`), `result` (every
-  rank answers a utility call), `error` (start-up or step exception text; the worker then exits).
+  Kinds (`WorkerReplyKind`): `ready`, `output` (rank 0 only; seconds = time inside
+  `execute_model`), `result` (every rank answers a utility call), `error` (start-up or step
+  exception text; the worker then exits), `beat` (a worker machine's heartbeat).
 
 Why ZMQ and not a shared-memory ring buffer (vLLM's choice on GPUs): measured side by side on this
 2-core CPU machine, round trip of a SchedulerOutput out to N worker processes plus a
@@ -45,56 +47,39 @@ themselves when the engine-core process dies (they watch their parent pid).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import multiprocessing
 import multiprocessing.connection
-import os
 import shutil
-import signal
 import tempfile
 import time
-import traceback
 import weakref
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.executor.abstract import Executor
-from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
+from stepscope.engine.messages import (
+    WORKER_UTILITY_METHODS,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerReplyKind,
+    WorkerRequestKind,
+)
 from stepscope.engine.models.loader import load_config
-from stepscope.traces import crossing, names
+from stepscope.engine.worker.worker_proc import describe_exit, start_workers, worker_addresses
+from stepscope.traces import crossing
 from stepscope.traces.crossing import traced_receive, traced_send
-from stepscope.traces.process import free_port, ignore_terminal_signals, watch_parent
-from stepscope.traces.setup import init_process_tracing, shutdown_tracing
-from stepscope.traces.spans import worker_step_span
 
-if TYPE_CHECKING:
-    from stepscope.engine.worker.worker import Worker
-
-STEP, CALL, STOP = b"step", b"call", b"stop"
-READY, OUTPUT, RESULT, ERROR = b"ready", b"output", b"result", b"error"
-# Worker methods the core may call on every rank; anything else is refused.
-UTILITY_METHODS = frozenset({"determine_num_kv_blocks", "init_kv_cache", "flush_traces"})
-HEARTBEAT = b"beat"  # a worker machine's launcher, every HEARTBEAT_S (header: node rank)
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 5.0
 POLL_MS = 200
-HEARTBEAT_S = 0.5
 NODE_TIMEOUT_S = 3.0
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+# One reply from a worker: (kind, rank, seconds, payload).
+Reply = tuple[bytes, int, float, bytes]
 
 
 class _WorkerGroup:
@@ -121,7 +106,7 @@ class _WorkerGroup:
         self.closed = True
         if graceful and self.procs and all(p.exitcode is None for p in self.procs):
             with contextlib.suppress(zmq.ZMQError):
-                self.bcast.send_multipart([STOP, b""], flags=zmq.NOBLOCK)
+                self.bcast.send_multipart([WorkerRequestKind.STOP, b""], flags=zmq.NOBLOCK)
             deadline = time.monotonic() + STOP_GRACE_S
             for p in self.procs:
                 p.join(max(deadline - time.monotonic(), 0.0))
@@ -226,25 +211,17 @@ class MultiprocExecutor(Executor):
                     subscribed += 1
                 continue
             if g.results in events:
-                kind, header, payload = g.results.recv_multipart()
-                rank, _ = msgspec.msgpack.decode(header)
-                if kind == HEARTBEAT:
-                    self._node_beats[rank] = time.monotonic()
-                    continue
-                if kind == ERROR:
-                    raise RuntimeError(
-                        f"worker rank {rank} ({self._where(rank)}) failed to start:\n"
-                        + payload.decode(errors="replace")
-                    )
-                if rank not in self.local_ranks:
-                    self.remote_pids[rank] = msgspec.msgpack.decode(payload)
-                ready.add(rank)
+                if (reply := self._read_reply(starting=True)) is not None:
+                    _, rank, _, payload = reply
+                    if rank not in self.local_ranks:
+                        self.remote_pids[rank] = msgspec.msgpack.decode(payload)
+                    ready.add(rank)
                 continue
             for rank, p in enumerate(g.procs):
                 if p.exitcode is not None:
                     raise RuntimeError(
                         f"worker rank {rank} (pid {p.pid}) died during start-up "
-                        f"({_describe_exit(p.exitcode)})"
+                        f"({describe_exit(p.exitcode)})"
                     )
 
     # ---- Executor --------------------------------------------------------------------------------
@@ -264,7 +241,7 @@ class MultiprocExecutor(Executor):
             send=self._broadcast_step,
         )
         kind, rank, worker_seconds, payload = self._recv()
-        if kind != OUTPUT:
+        if kind != WorkerReplyKind.OUTPUT:
             self._fail(f"expected a step output from rank 0, got {kind!r} from rank {rank}")
         output = traced_receive(
             crossing.WORKER_TO_ENGINE_CORE,
@@ -277,14 +254,16 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call a utility method of every rank's Worker; results in rank order."""
-        if method not in UTILITY_METHODS:
-            raise ValueError(f"method must be one of {sorted(UTILITY_METHODS)}, got {method!r}")
+        if method not in WORKER_UTILITY_METHODS:
+            raise ValueError(
+                f"method must be one of {sorted(WORKER_UTILITY_METHODS)}, got {method!r}"
+            )
         self._check_usable()
-        self._broadcast(CALL, self._encoder.encode((method, list(args))))
+        self._broadcast(WorkerRequestKind.CALL, self._encoder.encode((method, list(args))))
         results: dict[int, Any] = {}
         while len(results) < self.world_size:
             kind, rank, _, payload = self._recv()
-            if kind != RESULT:
+            if kind != WorkerReplyKind.RESULT:
                 self._fail(f"expected results of {method}, got {kind!r} from rank {rank}")
             results[rank] = msgspec.msgpack.decode(payload)
         return [results[r] for r in range(self.world_size)]
@@ -308,14 +287,8 @@ class MultiprocExecutor(Executor):
         """Raise RuntimeError if the executor failed or a worker has died; never blocks. Between
         steps this is also where other machines' heartbeats are read."""
         self._check_usable()
-        g = self._group
-        while g.results.poll(0):
-            kind, header, payload = g.results.recv_multipart()
-            rank, _ = msgspec.msgpack.decode(header)
-            if kind == HEARTBEAT:
-                self._node_beats[rank] = time.monotonic()
-            elif kind == ERROR:
-                self._fail_from_error(rank, payload.decode(errors="replace"))
+        while self._group.results.poll(0):
+            self._read_reply()
         self._check_nodes()
         for rank, p in enumerate(self._group.procs):
             if p.exitcode is not None:
@@ -332,23 +305,35 @@ class MultiprocExecutor(Executor):
         self._group.bcast.send_multipart([kind, payload])
 
     def _broadcast_step(self, payload: bytes) -> None:
-        self._broadcast(STEP, payload)
+        self._broadcast(WorkerRequestKind.STEP, payload)
 
-    def _recv(self) -> tuple[bytes, int, float, bytes]:
+    def _read_reply(self, starting: bool = False) -> Reply | None:
+        """One message off the reply socket (one is there): a worker machine's heartbeat is
+        noted (None), a worker's error raises (`starting`: as a start-up failure)."""
+        kind, header, payload = self._group.results.recv_multipart()
+        rank, seconds = msgspec.msgpack.decode(header)
+        if kind == WorkerReplyKind.HEARTBEAT:
+            self._node_beats[rank] = time.monotonic()
+            return None
+        if kind == WorkerReplyKind.ERROR:
+            text = payload.decode(errors="replace")
+            if starting:
+                raise RuntimeError(
+                    f"worker rank {rank} ({self._where(rank)}) failed to start:\n{text}"
+                )
+            self._fail_from_error(rank, text)
+        return kind, rank, seconds, payload
+
+    def _recv(self) -> Reply:
         """Next reply from any rank; a worker error or death raises instead of hanging."""
         g = self._group
         while True:
             events = dict(self._poller.poll(POLL_MS))
             self._check_nodes()
             if g.results in events:
-                kind, header, payload = g.results.recv_multipart()
-                rank, seconds = msgspec.msgpack.decode(header)
-                if kind == HEARTBEAT:
-                    self._node_beats[rank] = time.monotonic()
-                    continue
-                if kind == ERROR:
-                    self._fail_from_error(rank, payload.decode(errors="replace"))
-                return kind, rank, seconds, payload
+                if (reply := self._read_reply()) is not None:
+                    return reply
+                continue
             for rank, p in enumerate(g.procs):
                 if p.sentinel in events or p.exitcode is not None:
                     # The sentinel fires as the process closes its files, a moment before the
@@ -374,7 +359,7 @@ class MultiprocExecutor(Executor):
 
     def _death_message(self, rank: int, p: BaseProcess) -> str:
         return (
-            f"worker rank {rank} (pid {p.pid}) died ({_describe_exit(p.exitcode)}); "
+            f"worker rank {rank} (pid {p.pid}) died ({describe_exit(p.exitcode)}); "
             f"the other workers were stopped and this executor can no longer run steps"
         )
 
@@ -395,264 +380,3 @@ class MultiprocExecutor(Executor):
         self._failure = message
         self._group.shutdown(graceful=False)
         raise RuntimeError(message)
-
-
-# ---- worker process --------------------------------------------------------------------------
-
-
-def _exit_when_parent_dies(parent_pid: int, socket_dir: str | None) -> None:
-    """Exit even while the main thread is blocked (a recv, an all-reduce), and remove the
-    socket dir the dead parent can no longer remove."""
-
-    def exit_now() -> None:
-        if socket_dir is not None:
-            shutil.rmtree(socket_dir, ignore_errors=True)
-        os._exit(1)
-
-    watch_parent(parent_pid, exit_now)
-
-
-class WorkerAddresses(msgspec.Struct, array_like=True):
-    """Where the workers of one engine core meet it and each other."""
-
-    bcast: str  # the core's XPUB: steps and calls out to every rank
-    results: str  # the core's PULL: outputs, results, errors (and other machines' heartbeats)
-    dist_init: str  # torch.distributed's TCP rendezvous
-
-
-def worker_addresses(config: EngineConfig, tmp_dir: str | None = None) -> WorkerAddresses:
-    """ipc in `tmp_dir` with every worker on this machine; TCP at master_addr:master_port (+1,
-    +2 for the sockets) when some run on other machines."""
-    if config.nnodes > 1:
-        host, port = config.master_addr, config.master_port
-        assert port is not None
-        return WorkerAddresses(
-            f"tcp://{host}:{port + 1}", f"tcp://{host}:{port + 2}", f"tcp://{host}:{port}"
-        )
-    return WorkerAddresses(
-        f"ipc://{tmp_dir}/bcast", f"ipc://{tmp_dir}/results", f"tcp://127.0.0.1:{free_port()}"
-    )
-
-
-def start_workers(
-    config: EngineConfig,
-    model_dir: Path,
-    ranks: range,
-    world_size: int,
-    addresses: WorkerAddresses,
-    socket_dir: str | None,
-) -> list[BaseProcess]:
-    """One spawned worker process per rank in `ranks` (this machine's) of `world_size`."""
-    spawn = multiprocessing.get_context("spawn")
-    config_bytes = msgspec.msgpack.encode(config)
-    procs = []
-    for rank in ranks:
-        proc = spawn.Process(
-            target=_worker_main,
-            name=f"stepscope-worker-{rank}",
-            args=(
-                config_bytes,
-                str(model_dir),
-                rank,
-                world_size,
-                addresses,
-                socket_dir,
-                os.getpid(),
-            ),
-            daemon=True,
-        )
-        proc.start()
-        procs.append(proc)
-    return procs
-
-
-def run_worker_node(config: EngineConfig, model_dir: Path) -> int:
-    """`stepscope serve --headless --nnodes N --node-rank R ...`: this machine's share of the
-    TP workers of an engine core on node 0. They connect to its sockets; this process sends the
-    node's heartbeat there, reports a worker that dies, and returns (0) once every worker has
-    stopped (the core broadcast STOP), or 1 after a failure or a signal."""
-    local = config.tensor_parallel_size_local
-    ranks = range(config.node_rank * local, (config.node_rank + 1) * local)
-    addresses = worker_addresses(config)
-    stopping: list[int] = []
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, lambda signum, frame: stopping.append(signum))
-    procs = start_workers(config, model_dir, ranks, config.tensor_parallel_size, addresses, None)
-    ctx = zmq.Context()
-    beat = ctx.socket(zmq.PUSH)
-    beat.setsockopt(zmq.LINGER, 2000)
-    beat.connect(addresses.results)
-    header = msgspec.msgpack.encode((config.node_rank, 0.0))
-    print(
-        f"stepscope: headless: TP workers {list(ranks)} of node {config.node_rank} (pids "
-        f"{[p.pid for p in procs]}) joining {addresses.bcast}",
-        flush=True,
-    )
-    code = 0
-    try:
-        while not stopping:
-            with contextlib.suppress(zmq.Again):
-                beat.send_multipart([HEARTBEAT, header, b""], zmq.NOBLOCK)
-            ended = [(r, p) for r, p in zip(ranks, procs, strict=True) if p.exitcode is not None]
-            if ended and len(ended) == len(procs) and all(p.exitcode == 0 for _, p in ended):
-                break  # the engine core stopped them
-            failed = [(r, p) for r, p in ended if p.exitcode != 0]
-            if failed:
-                rank, p = failed[0]
-                text = f"worker rank {rank} (pid {p.pid}) died ({_describe_exit(p.exitcode)})"
-                beat.send_multipart([ERROR, msgspec.msgpack.encode((rank, 0.0)), text.encode()])
-                code = 1
-                break
-            time.sleep(HEARTBEAT_S)
-        else:
-            code = 1
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.terminate()
-        for p in procs:
-            p.join(5.0)
-            if p.exitcode is None:
-                p.kill()
-                p.join(2.0)
-        ctx.destroy(linger=2000)
-    return code
-
-
-def _build_worker(
-    config: EngineConfig, model_dir: Path, rank: int, world_size: int, dist_init: str
-) -> Worker:
-    import torch
-
-    from stepscope.engine.worker.worker import Worker
-
-    # The group is what the executor was asked for (threads and the KV share follow from it).
-    config = dataclasses.replace(config, tensor_parallel_size=world_size, executor="mp")
-    if config.device.startswith("cuda"):
-        base = torch.device(config.device).index or 0
-        local = rank % config.tensor_parallel_size_local  # its index on its own machine
-        config = dataclasses.replace(config, device=f"cuda:{base + local}")
-    else:
-        # Ranks share the cores: without this each would start one thread per core.
-        torch.set_num_threads(config.cpu_threads_per_process)
-    all_reduce = None
-    if world_size > 1:
-        import torch.distributed as dist
-
-        if config.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(config.device))
-            backend = "nccl"
-        else:
-            if config.nnodes == 1 or config.master_addr.startswith("127."):
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
-            backend = "gloo"
-        dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size)
-        all_reduce = dist.all_reduce  # in-place sum over the (only) tensor-parallel group
-    return Worker(config, model_dir, rank, world_size, all_reduce)
-
-
-class _Stopped(Exception):
-    """SIGTERM reached a worker (a process manager, or the whole process group): it stops as on
-    STOP, flushing its spans, instead of dying with them."""
-
-
-def _raise_stopped(signum: int, frame: Any) -> None:
-    raise _Stopped
-
-
-def _worker_main(
-    config_bytes: bytes,
-    model_dir: str,
-    rank: int,
-    world_size: int,
-    addresses: WorkerAddresses,
-    socket_dir: str | None,
-    parent_pid: int,
-) -> None:
-    ignore_terminal_signals()  # the engine core stops its workers
-    signal.signal(signal.SIGTERM, _raise_stopped)
-    _exit_when_parent_dies(parent_pid, socket_dir if rank == 0 else None)
-    ctx = zmq.Context()
-    bcast = ctx.socket(zmq.SUB)
-    bcast.setsockopt(zmq.SUBSCRIBE, b"")
-    bcast.connect(addresses.bcast)
-    results = ctx.socket(zmq.PUSH)
-    results.setsockopt(zmq.LINGER, 5000)  # let a last error message reach the core
-    results.connect(addresses.results)
-    dist_init = addresses.dist_init
-    encoder = msgspec.msgpack.Encoder()
-
-    def reply(kind: bytes, payload: bytes, seconds: float = 0.0) -> None:
-        results.send_multipart([kind, encoder.encode((rank, seconds)), payload])
-
-    try:
-        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-        init_process_tracing(
-            names.SERVICE_WORKER,
-            rank=rank,
-            dp_rank=config.data_parallel_rank,
-            collector_endpoint=config.collector_endpoint,
-            otlp_endpoint=config.otlp_endpoint,
-            trace_steps=config.trace_steps,
-        )
-        worker = _build_worker(config, Path(model_dir), rank, world_size, dist_init)
-    except BaseException:
-        reply(ERROR, traceback.format_exc().encode())
-        ctx.destroy(linger=5000)
-        os._exit(1)
-    reply(READY, encoder.encode(os.getpid()))
-    step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-    with contextlib.suppress(_Stopped):
-        while (message := bcast.recv_multipart())[0] != STOP:
-            _serve_one(message, worker, rank, reply, encoder, step_decoder, ctx)
-    ctx.destroy(linger=1000)
-    shutdown_tracing()
-    # Skip interpreter teardown: the process group and torch's threads need no orderly exit.
-    os._exit(0)
-
-
-def _serve_one(
-    message: list[bytes],
-    worker: Worker,
-    rank: int,
-    reply: Any,
-    encoder: msgspec.msgpack.Encoder,
-    step_decoder: msgspec.msgpack.Decoder,
-    ctx: zmq.Context,
-) -> None:
-    """Run one step or utility call; on an error, report it and end the process."""
-    kind, payload = message
-    try:
-        if kind == STEP:
-            scheduler_output = traced_receive(
-                crossing.ENGINE_CORE_TO_WORKER, step_decoder.decode, payload
-            )
-            step = scheduler_output.step
-            start = time.perf_counter()
-            with worker_step_span(step, rank, scheduler_output.trace_context):
-                output = worker.model_runner.execute_model(scheduler_output)
-                seconds = time.perf_counter() - start
-                if rank == 0:
-                    send = functools.partial(reply, OUTPUT, seconds=seconds)
-                    traced_send(
-                        crossing.WORKER_TO_ENGINE_CORE,
-                        encoder.encode,
-                        output,
-                        step=step,
-                        send=send,
-                    )
-        elif kind == CALL:
-            method, args = msgspec.msgpack.decode(payload)
-            if method not in UTILITY_METHODS:
-                raise ValueError(f"unknown utility method {method!r}")
-            reply(RESULT, encoder.encode(getattr(worker, method)(*args)))
-        else:
-            raise ValueError(f"unknown message kind {kind!r}")
-    except _Stopped:
-        raise
-    except BaseException:
-        # Ranks are out of step now (a peer may be waiting in an all-reduce): report and exit.
-        reply(ERROR, traceback.format_exc().encode())
-        ctx.destroy(linger=5000)
-        shutdown_tracing()
-        os._exit(1)

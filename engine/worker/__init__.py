@@ -1,2 +1,3 @@
 """Workers, in the worker processes (inside the engine-core process with the in-process executor):
-the worker, its model runner (inputs, forward, sampling), the sampler and the attention backends."""
+the process's entry and loop (worker_proc, with the headless launcher of a worker machine), the
+worker, its model runner (inputs, forward, sampling), the sampler and the attention backends."""

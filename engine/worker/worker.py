@@ -6,6 +6,7 @@ Sets up the device and threads, then hands each step to its ModelRunner.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,6 +58,15 @@ class Worker:
     def flush_traces(self) -> bool:
         return flush_tracing()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        send_output: Callable[[ModelRunnerOutput], object] | None = None,
+    ) -> ModelRunnerOutput:
+        """One step, in its `stepscope.worker_step` span. `send_output` (a worker process's reply
+        to the engine core) hands the output on inside that span, so the reply is the step's."""
         with worker_step_span(scheduler_output.step, self.rank, scheduler_output.trace_context):
-            return self.model_runner.execute_model(scheduler_output)
+            output = self.model_runner.execute_model(scheduler_output)
+            if send_output is not None:
+                send_output(output)
+            return output
