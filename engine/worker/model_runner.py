@@ -217,7 +217,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])
             states = batch.sample_states
             out = self.sampler(
-                logits, [st.sampling_params for st in states], [st.generator for st in states]
+                logits,
+                [st.sampling_params for st in states],
+                [st.generator for st in states],
+                # Prompt and output so far (after a preemption too): what penalties count.
+                [st.token_ids for st in states],
+                [st.num_prompt_tokens for st in states],
             )
             for i, (st, token) in enumerate(zip(states, out.token_ids, strict=True)):
                 st.token_ids.append(token)
