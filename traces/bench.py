@@ -28,11 +28,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from stepscope.traces import names as n
 from stepscope.traces import setup, spans
-from stepscope.traces.collector import (
-    CollectorClient,
-    start_collector_process,
-    stop_collector_process,
-)
+from stepscope.traces.collector import CollectorClient
+from stepscope.traces.collector_process import start_collector_process, stop_collector_process
 from stepscope.traces.store import TraceStore
 
 BATCH_SPANS = 2048

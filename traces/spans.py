@@ -30,25 +30,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from stepscope.traces import names as n
 from stepscope.traces import setup as _setup
-from stepscope.traces.setup import TraceSampling
-
-__all__ = [
-    "NOOP",
-    "RequestSpan",
-    "StepSpan",
-    "TraceSampling",
-    "child_span",
-    "dp_publish_span",
-    "ended_child_span",
-    "extract_context",
-    "inject_context",
-    "receive_span",
-    "request_link",
-    "request_span",
-    "send_span",
-    "step_span",
-    "worker_step_span",
-]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 # OpenInference's span kind, set as every span starts (read-only: the SDK copies attributes).

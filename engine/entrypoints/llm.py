@@ -42,8 +42,8 @@ from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
 from stepscope.traces import setup as tracing
-from stepscope.traces.collector import (
-    CollectorClient,
+from stepscope.traces.collector import CollectorClient
+from stepscope.traces.collector_process import (
     describe_summary,
     start_collector_process,
     stop_collector_process,

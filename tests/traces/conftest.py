@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from stepscope.traces import setup
-from stepscope.traces.collector import start_collector_process, stop_collector_process
+from stepscope.traces.collector_process import start_collector_process, stop_collector_process
 
 
 @pytest.fixture(autouse=True)

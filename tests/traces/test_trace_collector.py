@@ -16,7 +16,7 @@ from stepscope.traces import cli, setup
 from stepscope.traces import names as n
 from stepscope.traces import spans as sp
 from stepscope.traces.collector import Collector, CollectorClient, HttpResponse
-from stepscope.traces.collector import stop_collector_process as stop
+from stepscope.traces.collector_process import stop_collector_process as stop
 from stepscope.traces.store import TraceStore
 
 # A worker process: receives the SchedulerOutput's carrier, runs a step, sends its output back.
@@ -155,7 +155,7 @@ def test_collector_routes_can_be_extended_in_process(tmp_path):
 
 
 def test_second_collector_on_the_same_file_fails_loudly(collector):
-    from stepscope.traces.collector import start_collector_process
+    from stepscope.traces.collector_process import start_collector_process
 
     _, _, db_path = collector
     with pytest.raises(RuntimeError, match="collector failed to start"):
