@@ -42,8 +42,8 @@ import httpx
 
 from stepscope.engine.models.loader import cache_dir
 from stepscope.traces import names as n
+from stepscope.traces.backend.store import TraceStore
 from stepscope.traces.process import PARENT_ENV, free_port
-from stepscope.traces.store import TraceStore
 
 PHOENIX = "arize-phoenix==20.26.1"  # pinned: the REST API and the UI's routes are read below
 MODEL = "tiny-llama"

@@ -189,31 +189,6 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         return isinstance(self.counting_exporter.inner, kind)
 
 
-class DuckDBSpanExporter(SpanExporter):
-    """Exports spans straight into a DuckDB trace file: this process owns the file."""
-
-    def __init__(self, db_path: str | os.PathLike[str]) -> None:
-        from stepscope.traces.store import TraceStore  # DuckDB, Arrow, pandas: only when used
-
-        self.store = TraceStore(db_path)
-        self._closed = False
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self._closed:
-            return SpanExportResult.FAILURE
-        from stepscope.traces.store import SpanBatch
-
-        batch = SpanBatch()
-        batch.add_sdk_spans(spans)
-        self.store.insert_batch(batch)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.store.close()
-
-
 def _traces_url(endpoint: str) -> str:
     """OTLP/HTTP base URL or full URL -> the traces URL."""
     endpoint = endpoint.rstrip("/")
@@ -245,7 +220,6 @@ def init_tracing(
     rank: int | None = None,
     dp_rank: int | None = None,
     collector_endpoint: str | None = None,
-    db_path: str | os.PathLike[str] | None = None,
     otlp_endpoint: str | None = None,
     trace_steps: str | TraceSampling = "all",
     exporters: Sequence[SpanExporter] = (),
@@ -257,8 +231,9 @@ def init_tracing(
 
     `service_name` is `stepscope.api`, `stepscope.engine_core` or `stepscope.worker` (with
     `rank`; cores and workers also with their data-parallel `dp_rank`). Spans go to the
-    collector (`collector_endpoint`, its base URL), into `db_path` directly, to `otlp_endpoint`
-    (any OTLP/HTTP backend) and to extra `exporters`; at least one destination is required.
+    collector (`collector_endpoint`, its base URL), to `otlp_endpoint` (any OTLP/HTTP backend) and
+    to extra `exporters` (`traces.backend.store.DuckDBSpanExporter` writes a DuckDB file from
+    this process); at least one destination is required.
     Calling it again replaces (and flushes) the previous provider.
     """
     global state
@@ -269,16 +244,14 @@ def init_tracing(
     if collector_endpoint:
         url = _traces_url(collector_endpoint)
         destinations.append((OTLPSpanExporter(endpoint=url, timeout=export_timeout_s), url))
-    if db_path is not None:
-        destinations.append((DuckDBSpanExporter(db_path), os.fspath(db_path)))
     if otlp_endpoint:
         url = _traces_url(otlp_endpoint)
         destinations.append((OTLPSpanExporter(endpoint=url, timeout=export_timeout_s), url))
     destinations.extend((e, type(e).__name__) for e in exporters)
     if not destinations:
         raise ValueError(
-            "init_tracing needs somewhere to send spans: collector_endpoint, db_path, "
-            "otlp_endpoint or exporters"
+            "init_tracing needs somewhere to send spans: collector_endpoint, otlp_endpoint "
+            "or exporters"
         )
 
     attributes: dict[str, str | int] = {
@@ -421,7 +394,6 @@ atexit.register(_shutdown_at_exit)
 __all__ = [
     "CountingBatchSpanProcessor",
     "CountingSpanExporter",
-    "DuckDBSpanExporter",
     "TraceSampling",
     "dropped_spans",
     "flush_tracing",
@@ -439,13 +411,12 @@ def init_process_tracing(
     dp_rank: int | None = None,
     collector_endpoint: str | None = None,
     otlp_endpoint: str | None = None,
-    db_path: str | os.PathLike[str] | None = None,
     trace_steps: str = "all",
     schedule_delay_ms: int = SCHEDULE_DELAY_MS,
 ) -> bool:
     """`init_tracing` for a process of the engine when it has somewhere to send spans; with no
     destination tracing stays off (every helper a no-op) and this returns False."""
-    if not (collector_endpoint or otlp_endpoint or db_path):
+    if not (collector_endpoint or otlp_endpoint):
         return False
     init_tracing(
         service_name,
@@ -453,7 +424,6 @@ def init_process_tracing(
         dp_rank=dp_rank,
         collector_endpoint=collector_endpoint,
         otlp_endpoint=otlp_endpoint,
-        db_path=db_path,
         trace_steps=trace_steps,
         schedule_delay_ms=schedule_delay_ms,
     )

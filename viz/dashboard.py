@@ -140,7 +140,7 @@ def mount_on_collector(collector: Any) -> str:
     The port is `$STEPSCOPE_DASHBOARD_PORT` (default 5006; 0 picks a free one), on the
     collector's host. Sets `collector.dashboard_url` and adds `GET /dashboard` (a redirect).
     """
-    from stepscope.traces.collector import HttpResponse
+    from stepscope.traces.backend.collector import HttpResponse
     from stepscope.viz.sources import StoreSource
 
     host = collector.server.server_address[0]

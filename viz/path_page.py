@@ -3,7 +3,7 @@ spans.
 
 The stage definitions and the span arithmetic live in `request_path`; this page draws them: a
 waterfall of every occurrence of every stage, the request's headline numbers, and the stage table.
-"Why this long" draws `traces.explain.explain`, the function `stepscope trace explain` prints.
+"Why this long" draws `traces.backend.explain.explain`, what `stepscope trace explain` prints.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pandas as pd
 import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Span
 
-from stepscope.traces import explain, queries
+from stepscope.traces.backend import explain, queries
 from stepscope.traces.names import RequestEvent
 from stepscope.viz.request_path import (
     STAGES,

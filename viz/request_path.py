@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 
 from stepscope.traces import names as n
-from stepscope.traces import queries
+from stepscope.traces.backend import queries
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 collector's own store when the dashboard runs inside the collector process.
 
 Every source answers `query(sql, params) -> DataFrame` (and `df`, the same, so the functions of
-`stepscope.traces.queries` accept it) and says whether it is `live` (spans still arriving).
+`stepscope.traces.backend.queries` accept it) and says whether it is `live` (spans still arriving).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from stepscope.traces.collector import CollectorClient
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.store import TraceStore
 
 
 class TraceSource(Protocol):

@@ -30,31 +30,31 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _trace_summary(args: argparse.Namespace) -> None:
-    from stepscope.traces.cli import trace_summary
+    from stepscope.traces.backend.cli import trace_summary
 
     trace_summary(args.path)
 
 
 def _trace_request(args: argparse.Namespace) -> int:
-    from stepscope.traces.cli import trace_request
+    from stepscope.traces.backend.cli import trace_request
 
     return trace_request(args.path, args.request_id)
 
 
 def _trace_explain(args: argparse.Namespace) -> int:
-    from stepscope.traces.cli import trace_explain
+    from stepscope.traces.backend.cli import trace_explain
 
     return trace_explain(args.path, args.request_id, as_json=args.json)
 
 
 def _trace_slowest(args: argparse.Namespace) -> int:
-    from stepscope.traces.cli import trace_slowest
+    from stepscope.traces.backend.cli import trace_slowest
 
     return trace_slowest(args.path, args.n)
 
 
 def _trace_export(args: argparse.Namespace) -> None:
-    from stepscope.traces.cli import trace_export
+    from stepscope.traces.backend.cli import trace_export
 
     trace_export(args.path, args.output, args.format)
 

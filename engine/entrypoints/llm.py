@@ -42,14 +42,14 @@ from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
 from stepscope.traces import setup as tracing
-from stepscope.traces.collector import CollectorClient
-from stepscope.traces.collector_process import (
+from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.collector_process import (
     describe_summary,
     start_collector_process,
     stop_collector_process,
 )
+from stepscope.traces.backend.store import DuckDBSpanExporter
 from stepscope.traces.setup import (
-    DuckDBSpanExporter,
     flush_tracing,
     init_process_tracing,
     init_tracing,

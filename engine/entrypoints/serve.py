@@ -16,7 +16,7 @@ import uvicorn
 from stepscope.engine.entrypoints.api_server import build_app
 from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.traces import names
-from stepscope.traces.collector_process import (
+from stepscope.traces.backend.collector_process import (
     describe_summary,
     start_collector_process,
     stop_collector_process,

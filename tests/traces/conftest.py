@@ -7,7 +7,10 @@ from collections.abc import Iterator
 import pytest
 
 from stepscope.traces import setup
-from stepscope.traces.collector_process import start_collector_process, stop_collector_process
+from stepscope.traces.backend.collector_process import (
+    start_collector_process,
+    stop_collector_process,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from stepscope.engine import LLM, SamplingParams
-from stepscope.traces.explain import PARTS, explain, largest_part, slowest
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend.explain import PARTS, explain, largest_part, slowest
+from stepscope.traces.backend.store import TraceStore
 from tests.server_utils import CLI, Server
 
 KEYS = {"request_id", "e2e_s", "parts", "queue_reasons", "shared", "preemptions",

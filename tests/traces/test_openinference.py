@@ -15,7 +15,7 @@ from stepscope.engine.entrypoints.cli import build_parser
 from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend.store import TraceStore
 
 MODEL = "tiny-llama"
 PROMPTS = ["The scheduler admits", "Blocks of the KV cache"]

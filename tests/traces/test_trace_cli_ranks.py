@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from stepscope.traces import cli, queries
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend import cli, queries
+from stepscope.traces.backend.store import TraceStore
 from tests.dp_trace import MAX_TOKENS, PROMPTS, record_dp2_trace
 
 

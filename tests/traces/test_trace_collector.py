@@ -12,12 +12,13 @@ import urllib.request
 
 import pytest
 
-from stepscope.traces import cli, setup
 from stepscope.traces import names as n
+from stepscope.traces import setup
 from stepscope.traces import spans as sp
-from stepscope.traces.collector import Collector, CollectorClient, HttpResponse
-from stepscope.traces.collector_process import stop_collector_process as stop
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend import cli
+from stepscope.traces.backend.collector import Collector, CollectorClient, HttpResponse
+from stepscope.traces.backend.collector_process import stop_collector_process as stop
+from stepscope.traces.backend.store import TraceStore
 
 # A worker process: receives the SchedulerOutput's carrier, runs a step, sends its output back.
 WORKER = """
@@ -155,7 +156,7 @@ def test_collector_routes_can_be_extended_in_process(tmp_path):
 
 
 def test_second_collector_on_the_same_file_fails_loudly(collector):
-    from stepscope.traces.collector_process import start_collector_process
+    from stepscope.traces.backend.collector_process import start_collector_process
 
     _, _, db_path = collector
     with pytest.raises(RuntimeError, match="collector failed to start"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stepscope.traces import names
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend.store import TraceStore
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "tracing.md"
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from stepscope.traces import export, queries
 from stepscope.traces import names as n
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend import export, queries
+from stepscope.traces.backend.store import TraceStore
 from tests.server_utils import CLI
 from tests.viz.trace_factory import write_trace
 

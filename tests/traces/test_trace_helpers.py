@@ -92,7 +92,7 @@ def test_trace_steps_rejects_bad_specs_with_a_usable_message(bad):
 
 
 def test_init_tracing_needs_a_destination():
-    with pytest.raises(ValueError, match="collector_endpoint, db_path"):
+    with pytest.raises(ValueError, match="collector_endpoint, otlp_endpoint or exporters"):
         setup.init_tracing(n.SERVICE_API)
 
 

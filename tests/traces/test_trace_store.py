@@ -15,7 +15,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp
-from stepscope.traces.store import COLUMNS, TraceStore
+from stepscope.traces.backend.store import COLUMNS, DuckDBSpanExporter, TraceStore
 
 ATTRIBUTES = {
     "a.string": "text",
@@ -145,7 +145,7 @@ def test_read_only_open_of_a_non_trace_file_says_so(tmp_path):
 
 def test_in_process_run_queries_its_own_file_while_tracing(tmp_path):
     path = tmp_path / "live.duckdb"
-    setup.init_tracing(n.SERVICE_ENGINE_CORE, db_path=path)
+    setup.init_tracing(n.SERVICE_ENGINE_CORE, exporters=[DuckDBSpanExporter(path)])
     for step in range(10):
         with sp.step_span(step=step):
             pass

@@ -9,10 +9,11 @@ import time
 import pytest
 
 from stepscope.engine.core.scheduler import StepStats
-from stepscope.traces import cli, queries, setup
 from stepscope.traces import names as n
+from stepscope.traces import setup
 from stepscope.traces import spans as sp
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend import cli, queries
+from stepscope.traces.backend.store import DuckDBSpanExporter, TraceStore
 
 REQUESTS = ("r0", "r1", "r2")
 PROMPT = {"r0": 5, "r1": 7, "r2": 3}
@@ -65,7 +66,7 @@ def _step(step: int, stats: StepStats, scheduled: dict[str, int], links: dict) -
 def run_file(tmp_path) -> str:
     """Spans of a tiny run, written straight into a DuckDB file, then closed."""
     path = str(tmp_path / "run.duckdb")
-    setup.init_tracing(n.SERVICE_ENGINE_CORE, db_path=path)
+    setup.init_tracing(n.SERVICE_ENGINE_CORE, exporters=[DuckDBSpanExporter(path)])
     request_spans = {}
     links = {}
     for rid in REQUESTS:

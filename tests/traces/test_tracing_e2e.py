@@ -7,8 +7,8 @@ import asyncio
 import openai
 import pytest
 
-from stepscope.traces import queries
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend import queries
+from stepscope.traces.backend.store import TraceStore
 from tests.server_utils import Server
 
 MODEL = "tiny-llama"

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from stepscope.traces.backend.store import TraceStore
 from stepscope.traces.process import free_port
-from stepscope.traces.store import TraceStore
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"

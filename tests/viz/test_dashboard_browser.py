@@ -10,8 +10,11 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from stepscope.traces.collector import CollectorClient
-from stepscope.traces.collector_process import start_collector_process, stop_collector_process
+from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.collector_process import (
+    start_collector_process,
+    stop_collector_process,
+)
 from stepscope.viz.dashboard import DASHBOARD_PORT_ENV, MOUNT_EXTENSION
 from stepscope.viz.request_path import stage_occurrences
 from stepscope.viz.simulator import simulate_step

@@ -149,7 +149,7 @@ def test_app_pages_read_the_trace(source, trace_db):
     assert 'id="stage-10"' in path.stages.object
     assert f'id="ro-req-id">{rid}<' in path.header.object
     # "Why this long": the same answer as `stepscope trace explain`, its parts stacked end to end.
-    from stepscope.traces.explain import explain
+    from stepscope.traces.backend.explain import explain
 
     answer = explain(source, rid)
     assert html.escape(answer["summary"]) in path.why_text.object

@@ -38,7 +38,7 @@ from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend.store import TraceStore
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend.store import TraceStore
 from tests.server_utils import free_port
 
 

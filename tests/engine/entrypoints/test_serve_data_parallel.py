@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend.store import TraceStore
 from tests.process_tree import pid_alive, wait_pids_gone
 from tests.server_utils import Server
 

@@ -51,8 +51,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from stepscope.traces import names as n
+from stepscope.traces.backend.store import SpanBatch, TraceStore
 from stepscope.traces.process import watch_parent
-from stepscope.traces.store import SpanBatch, TraceStore
 
 logger = logging.getLogger(__name__)
 

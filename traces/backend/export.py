@@ -26,7 +26,7 @@ from typing import Any
 import pandas as pd
 
 from stepscope.traces import names as n
-from stepscope.traces import queries
+from stepscope.traces.backend import queries
 
 # Threads of a process, in the order the timeline shows them: group -> (thread name, may nest).
 # Requests never nest: one request's marker inside another's would read as a parent.
@@ -507,7 +507,7 @@ def _counts(processes: int, requests: int, steps: int) -> dict[str, Any]:
 
 def write_chrome(path_or_url: str, out_path: str | os.PathLike[str]) -> dict[str, Any]:
     """Export a trace file (or a running collector's URL) to `out_path`; returns the trace."""
-    from stepscope.traces.cli import open_trace  # the CLI imports this module
+    from stepscope.traces.backend.cli import open_trace  # the CLI imports this module
 
     with open_trace(path_or_url) as source:
         trace = export_chrome(source)

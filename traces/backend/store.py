@@ -23,6 +23,7 @@ import pandas as pd
 import pyarrow as pa
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from stepscope.traces import names as n
 
@@ -573,3 +574,25 @@ class TraceStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class DuckDBSpanExporter(SpanExporter):
+    """Exports spans straight into a DuckDB trace file: this process owns the file (an offline
+    `LLM` running in one process, a notebook). Pass it to `init_tracing(exporters=[...])`."""
+
+    def __init__(self, db_path: str | os.PathLike[str]) -> None:
+        self.store = TraceStore(db_path)
+        self._closed = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._closed:
+            return SpanExportResult.FAILURE
+        batch = SpanBatch()
+        batch.add_sdk_spans(spans)
+        self.store.insert_batch(batch)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.store.close()

@@ -1,6 +1,6 @@
 """How many spans per second the collector gets into DuckDB (target: >= 50,000 spans/s).
 
-    python -m stepscope.traces.bench [--spans 200000] [--senders 3]
+    python -m stepscope.traces.backend.bench [--spans 200000] [--senders 3]
 
 The spans are what the engine records: per step an engine_step (all attributes, links to its
 requests) with schedule/execute/update, a worker_step with prepare_inputs/forward/sample, four
@@ -28,9 +28,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from stepscope.traces import names as n
 from stepscope.traces import setup, spans
-from stepscope.traces.collector import CollectorClient
-from stepscope.traces.collector_process import start_collector_process, stop_collector_process
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.collector_process import (
+    start_collector_process,
+    stop_collector_process,
+)
+from stepscope.traces.backend.store import TraceStore
 
 BATCH_SPANS = 2048
 

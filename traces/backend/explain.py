@@ -31,8 +31,8 @@ from typing import Any
 import pandas as pd
 
 from stepscope.traces import names as n
-from stepscope.traces.queries import STEP_JOIN, Source, _records, _request_row, df
-from stepscope.traces.store import _dp_rank
+from stepscope.traces.backend.queries import STEP_JOIN, Source, _records, _request_row, df
+from stepscope.traces.backend.store import _dp_rank
 
 PARTS = ("before_engine_s", "queue_s", "prefill_s", "decode_s", "preempted_s", "after_engine_s")
 ARRIVED_DURING_STEP = "arrived_during_step"

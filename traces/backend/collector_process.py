@@ -1,5 +1,5 @@
 """The collector as its parent sees it: start it in a fresh process, tell it to close the file,
-and read the run's span counts from its last line (traces/collector.py is the process itself).
+and read the run's span counts from its last line (collector.py is the process itself).
 
 `stepscope serve`, the launcher and an offline `LLM` with worker processes each start one
 (`start_collector_process`) and stop it last (`stop_collector_process`), once every other process
@@ -28,9 +28,9 @@ CLOSE_TIMEOUT_S = 60.0  # a parent waits this long for the collector to close th
 
 class CollectorProcess:
     """The collector as a child process: a fresh interpreter (`python -m
-    stepscope.traces.collector`), so no caller needs a `__main__` guard, with the small part of
-    multiprocessing's Process interface that callers use. `close_file()` tells it to flush and
-    close the file (it ignores the signals that `terminate()` would send)."""
+    stepscope.traces.backend.collector`), so no caller needs a `__main__` guard, with the small
+    part of multiprocessing's Process interface that callers use. `close_file()` tells it to
+    flush and close the file (it ignores the signals that `terminate()` would send)."""
 
     def __init__(self, popen: subprocess.Popen) -> None:
         self.popen = popen
@@ -79,7 +79,7 @@ def start_collector_process(
     timeout_s: float = 60.0,
 ) -> tuple[CollectorProcess, str]:
     """Start the collector in a fresh process; returns it and its base URL once it listens."""
-    cmd = [sys.executable, "-m", "stepscope.traces.collector", str(db_path), "--host", host]
+    cmd = [sys.executable, "-m", "stepscope.traces.backend.collector", str(db_path), "--host", host]
     cmd += ["--port", str(port), "--announce", "--parent-pid", str(os.getpid())]
     for spec in extensions:
         cmd += ["--extension", spec]

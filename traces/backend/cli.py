@@ -15,9 +15,9 @@ from typing import Any, TextIO
 import duckdb
 import pandas as pd
 
-from stepscope.traces import explain, export, queries
-from stepscope.traces.collector import CollectorClient
-from stepscope.traces.store import TraceStore
+from stepscope.traces.backend import explain, export, queries
+from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.store import TraceStore
 
 
 @contextmanager
