@@ -1,16 +1,20 @@
-"""A realistic trace for dashboard tests: the real scheduler, a pretend model, real span helpers.
+"""A realistic trace for dashboard tests: the real engine core and API-side code, a pretend model.
 
 Four "processes" (API, engine core, workers of rank 0 and 1) record through their own
 TracerProvider, each with its `service.name` and rank, the way separate processes would; the
-helpers of `stepscope.traces.spans` run unchanged, reading the provider of the process the calling
-thread plays (the workers run side by side in threads, as worker processes would). The
-real `Scheduler` and `KVCacheManager` decide every step (a small pool, so requests are chunked,
-share a prefix and get preempted); the model is a short sleep, so the timings are real too. The
-spans go into a DuckDB file through `TraceStore`, which is then closed like a finished run.
+engine's own tracing runs unchanged, reading the provider of the process the calling thread plays
+(the workers run side by side in threads, as worker processes would). A real `EngineCore` (its
+`Scheduler` and `KVCacheManager`, with a small pool, so requests are chunked, share a prefix and
+get preempted) runs every step; its executor is `FakeExecutor`, which crosses to the worker
+threads with the same calls as `MultiprocExecutor` and `WorkerProc`, and whose model is a short
+sleep, so the timings are real too. The API side is the real `OutputProcessor` and the client's
+`encode_request` / `decode_output`; the engine core receives and sends with the calls of
+core_proc.py. The spans go into a DuckDB file through `TraceStore`, closed like a finished run.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -25,20 +29,25 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-from stepscope.engine.core.kv_cache_manager import KVCacheManager
-from stepscope.engine.core.request import Request
-from stepscope.engine.core.scheduler import Scheduler
+from stepscope.engine.config import EngineConfig
+from stepscope.engine.core.engine_core import EngineCore
+from stepscope.engine.executor.abstract import Executor
+from stepscope.engine.frontend.core_client import decode_output, encode_request
+from stepscope.engine.frontend.output_processor import OutputProcessor
 from stepscope.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
+    OutputKind,
     SchedulerOutput,
 )
+from stepscope.engine.models.loader import load_tokenizer, resolve_model
 from stepscope.engine.sampling_params import SamplingParams
+from stepscope.traces import crossing, setup
 from stepscope.traces import names as n
-from stepscope.traces import setup
-from stepscope.traces import spans as sp
 from stepscope.traces.backend.store import TraceStore
+from stepscope.traces.crossing import traced_receive, traced_send
+from stepscope.traces.spans import child_span, worker_step_span
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40
@@ -46,7 +55,6 @@ BUDGET = 192
 MAX_NUM_SEQS = 8
 TP = 2
 MODEL = "tiny-llama"
-_encode = msgspec.msgpack.Encoder().encode
 
 
 def _providers(exporter: InMemorySpanExporter) -> dict[str, setup.TracingState]:
@@ -78,7 +86,7 @@ class _PerThreadState:
         self.local = threading.local()
 
     def _current(self) -> setup.TracingState:
-        return self.states[getattr(self.local, "key", "engine_core")]
+        return self.states[getattr(self.local, "key", None) or "engine_core"]
 
     @property
     def tracer(self):
@@ -88,169 +96,183 @@ class _PerThreadState:
     def sampling(self) -> setup.TraceSampling:
         return self._current().sampling
 
+    @contextmanager
+    def process(self, key: str) -> Iterator[None]:
+        """Record as process `key`, as if this code ran there."""
+        previous = getattr(self.local, "key", None)
+        self.local.key = key
+        try:
+            yield
+        finally:
+            self.local.key = previous
+
+
+class _FakeModelRunner:
+    """One rank's view of the requests it holds, kept from the SchedulerOutput diffs as a real
+    model runner keeps it: a request samples once its prompt (and earlier output) is computed."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)  # the same on every rank: all ranks sample alike
+        self.num_tokens: dict[str, int] = {}  # prompt + sampled so far
+        self.num_computed: dict[str, int] = {}
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in [*out.finished_req_ids, *out.preempted_req_ids]:
+            self.num_tokens.pop(rid, None)
+            self.num_computed.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.num_tokens[new.req_id] = len(new.token_ids)
+            self.num_computed[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        self.num_computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        with child_span(n.PREPARE_INPUTS):
+            time.sleep(0.0002)
+        with child_span(n.FORWARD):
+            time.sleep(0.0008 + out.total_num_scheduled_tokens * 4e-6)
+        with child_span(n.SAMPLE):
+            sampled = []
+            for rid, num in out.num_scheduled_tokens.items():
+                self.num_computed[rid] += num
+                done = self.num_computed[rid] >= self.num_tokens[rid]
+                if done:
+                    self.num_tokens[rid] += 1
+                sampled.append([self.rng.randrange(1, 49000)] if done else [])
+            time.sleep(0.0002)
+        return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled)
+
+
+class FakeExecutor(Executor):
+    """TP worker "processes" in threads, reached over the same traced crossings as
+    `MultiprocExecutor`: every rank receives each step, rank 0 sends the output back."""
+
+    def __init__(self, state: _PerThreadState, seed: int) -> None:
+        self.state = state
+        self.pool = ThreadPoolExecutor(TP, thread_name_prefix="worker")
+        self.runners = [_FakeModelRunner(seed) for _ in range(TP)]
+        self.encoder = msgspec.msgpack.Encoder()
+        self.step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        self.output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+
+    def determine_num_kv_blocks(self) -> int:
+        return NUM_BLOCKS
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        pass
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        futures = []
+        traced_send(
+            crossing.ENGINE_CORE_TO_WORKER,
+            self.encoder.encode,
+            scheduler_output,
+            send=lambda data: futures.extend(
+                self.pool.submit(self._serve, rank, data) for rank in range(TP)
+            ),
+        )
+        payload, worker_seconds = futures[0].result()
+        for future in futures[1:]:
+            future.result()
+        output = traced_receive(
+            crossing.WORKER_TO_ENGINE_CORE,
+            self.output_decoder.decode,
+            payload,
+            step=scheduler_output.step,
+        )
+        self.last_crossing_seconds = time.perf_counter() - start - worker_seconds
+        return output
+
+    def _serve(self, rank: int, payload: bytes) -> tuple[bytes | None, float]:
+        """One worker's step, as `WorkerProc.execute_model` and `Worker.execute_model` run it."""
+        with self.state.process(f"worker{rank}"):
+            scheduler_output = traced_receive(
+                crossing.ENGINE_CORE_TO_WORKER, self.step_decoder.decode, payload
+            )
+            start = time.perf_counter()
+            reply: list[bytes] = []
+            with worker_step_span(scheduler_output.step, rank, scheduler_output.trace_context):
+                output = self.runners[rank].execute_model(scheduler_output)
+                seconds = time.perf_counter() - start
+                if rank == 0:
+                    traced_send(
+                        crossing.WORKER_TO_ENGINE_CORE,
+                        self.encoder.encode,
+                        output,
+                        step=scheduler_output.step,
+                        send=reply.append,
+                    )
+            return (reply[0] if reply else None), seconds
+
+    def processes(self) -> list[tuple[str, int, int]]:
+        return [("worker", rank, os.getpid()) for rank in range(TP)]
+
+    def flush_traces(self) -> None:
+        pass  # spans are exported as they end (SimpleSpanProcessor)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
 
 class _Run:
     def __init__(self, seed: int) -> None:
         self.exporter = InMemorySpanExporter()
         self.state = _PerThreadState(_providers(self.exporter))
-        self.workers = ThreadPoolExecutor(TP, thread_name_prefix="worker")
         self.rng = random.Random(seed)
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=True)
-        self.scheduler = Scheduler(self.kv, BUDGET, MAX_NUM_SEQS, max_model_len=4096)
+        config = EngineConfig(
+            model=MODEL,
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=NUM_BLOCKS,
+            max_num_batched_tokens=BUDGET,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_model_len=NUM_BLOCKS * BLOCK_SIZE,
+            enable_prefix_caching=True,
+            offline=False,
+            executor="mp",  # what it stands for; the executor is given
+            tensor_parallel_size=TP,
+        )
+        model_dir = resolve_model(MODEL)
+        self.core = EngineCore(config, model_dir, executor=FakeExecutor(self.state, seed))
+        self.outputs = OutputProcessor(load_tokenizer(model_dir), MODEL)
+        self.request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.encoder = msgspec.msgpack.Encoder()
         self.request_spans: dict[str, object] = {}
-        self.links: dict[str, object] = {}
         self.shared_prefix = [self.rng.randrange(1, 49000) for _ in range(96)]
-
-    @contextmanager
-    def process(self, key: str) -> Iterator[None]:
-        """Record as process `key`, as if this code ran there."""
-        previous = getattr(self.state.local, "key", None)
-        self.state.local.key = key
-        try:
-            yield
-        finally:
-            self.state.local.key = previous
+        self.steps = 0
 
     def arrive(self, index: int, prompt_len: int, max_tokens: int, shared: bool) -> None:
+        """A request through the API process into the engine core's queue."""
         rid = f"req-{index:02d}"
         prompt = [self.rng.randrange(1, 49000) for _ in range(prompt_len)]
         if shared:
             prompt[: len(self.shared_prefix)] = self.shared_prefix
         params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9)
-        with self.process("api"):
-            request = sp.request_span(
-                rid,
-                model=MODEL,
-                max_tokens=max_tokens,
-                temperature=0.7,
-                top_p=0.9,
-                input_tokens=prompt_len,
-            )
-            self.request_spans[rid] = request
+        with self.state.process("api"):
+            request = EngineCoreRequest(rid, prompt, params, None, time.time())
             time.sleep(0.0003 + prompt_len * 2e-6)  # HTTP parsing and tokenizing
-            with request.current():
-                crossing, carrier = sp.send_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", None, 1)
-                with crossing:
-                    message = EngineCoreRequest(rid, prompt, params, None, time.time(), carrier)
-                    data = _encode(message)
-                    crossing.set_nbytes(len(data))
-        t0 = time.time_ns()
+            state = self.outputs.add_request(request, operation=n.OPERATION_CHAT, stream=True)
+            self.request_spans[rid] = state.span
+            with state.span.current():
+                data = encode_request(request)
         time.sleep(0.0001)
-        with (
-            self.process("engine_core"),
-            sp.receive_span(
-                n.API_TO_ENGINE_CORE, "EngineCoreRequest", len(data), 1, carrier, start_ns=t0
-            ),
-        ):
-            self.links[rid] = sp.request_link(carrier)
-            self.scheduler.add_request(
-                Request(rid, prompt, params, None, BLOCK_SIZE, arrival_time=time.time())
-            )
-
-    def _worker(self, rank: int, output: SchedulerOutput, carrier: dict, nbytes: int):
-        num_reqs = len(output.num_scheduled_tokens)
-        back_carrier: dict[str, str] = {}
-        t0 = time.time_ns()
-        with self.process(f"worker{rank}"):
-            with sp.receive_span(
-                n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", nbytes, num_reqs, carrier, start_ns=t0
-            ):
-                time.sleep(0.00005)
-            with sp.worker_step_span(output.step, rank, carrier):
-                with sp.child_span(n.PREPARE_INPUTS):
-                    time.sleep(0.0002)
-                with sp.child_span(n.FORWARD):
-                    time.sleep(0.0008 + output.total_num_scheduled_tokens * 4e-6)
-                with sp.child_span(n.SAMPLE):
-                    time.sleep(0.0002)
-                if rank == 0:
-                    sampled = []
-                    for rid in output.num_scheduled_tokens:
-                        r = self.scheduler.requests[rid]
-                        done = r.num_computed_tokens >= r.num_tokens
-                        sampled.append([self.rng.randrange(1, 49000)] if done else [])
-                    result = ModelRunnerOutput(list(output.num_scheduled_tokens), sampled)
-                    back, back_carrier = sp.send_span(
-                        n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", None, num_reqs
-                    )
-                    with back:
-                        result.trace_context = back_carrier
-                        back.set_nbytes(len(_encode(result)))
-                    return result, back_carrier
-        return None, back_carrier
+        received = traced_receive(crossing.API_TO_ENGINE_CORE, self.request_decoder.decode, data)
+        self.core.add_request(received, time.time())
 
     def step(self) -> None:
-        scheduler = self.scheduler
-        with self.process("engine_core"):
-            with sp.step_span(step=scheduler.step_index) as span:
-                with sp.child_span(n.SCHEDULE):
-                    output = scheduler.schedule()
-                    time.sleep(0.0001)
-                span.record(
-                    scheduler.last_stats,
-                    output.num_scheduled_tokens,
-                    links=self.links,
-                    kv_total_blocks=NUM_BLOCKS,
-                )
-                if not output.total_num_scheduled_tokens:
-                    return
-                num_reqs = len(output.num_scheduled_tokens)
-                with sp.child_span(n.EXECUTE):
-                    crossing, carrier = sp.send_span(
-                        n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", None, num_reqs
-                    )
-                    with crossing:
-                        output.trace_context = carrier
-                        nbytes = len(_encode(output))
-                        crossing.set_nbytes(nbytes)
-                    futures = [
-                        self.workers.submit(self._worker, r, output, carrier, nbytes)
-                        for r in range(TP)
-                    ]
-                    result, back_carrier = futures[0].result()
-                    for future in futures[1:]:
-                        future.result()
-                    with sp.receive_span(
-                        n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 200, num_reqs, back_carrier
-                    ):
-                        pass
-                with sp.child_span(n.UPDATE):
-                    outputs = scheduler.update_from_output(output, result)
-            finished = {o.request_id for o in outputs if o.finish_reason is not None}
-            for rid in finished:
-                self.links.pop(rid, None)
-            if not outputs:
-                return
-            ids = [o.request_id for o in outputs]
-            crossing, carrier = sp.send_span(
-                n.ENGINE_CORE_TO_API,
-                "EngineCoreOutputs",
-                None,
-                len(outputs),
-                step=output.step,
-                request_ids=ids,
-            )
-            with crossing:
-                data = _encode(EngineCoreOutputs(outputs, time.time(), carrier))
-                crossing.set_nbytes(len(data))
-        t0 = time.time_ns()
-        with self.process("api"):
-            with sp.receive_span(
-                n.ENGINE_CORE_TO_API,
-                "EngineCoreOutputs",
-                len(data),
-                len(outputs),
-                carrier,
-                start_ns=t0,
-            ):
-                pass
-            for out in outputs:
-                request = self.request_spans[out.request_id]
-                request.observe(out)
-                time.sleep(0.00003 * len(out.new_token_ids))  # incremental detokenizer
-                if out.finish_reason is not None:
+        """One turn of the engine core's busy loop, then the API process takes its outputs."""
+        if not self.core.has_unfinished_requests():
+            return
+        outputs = self.core.step()
+        self.steps += self.core.last_step_ran
+        if not outputs.outputs:
+            return
+        data = traced_send(crossing.ENGINE_CORE_TO_API, self.encoder.encode, outputs)
+        with self.state.process("api"):
+            received: EngineCoreOutputs = decode_output(OutputKind.OUTPUTS, data)
+            processed = self.outputs.process_outputs(received.outputs)
+            for out in processed.request_outputs:
+                if out.finished:
                     time.sleep(0.0002)  # the last SSE chunk and [DONE]
-                    request.end()
+                    self.request_spans.pop(out.request_id).end()
 
 
 # (arrival step, prompt tokens, max output tokens, shares the common prefix)
@@ -272,26 +294,28 @@ WORKLOAD = [
 
 def record_workload(seed: int = 0, max_steps: int = 200) -> tuple[list, dict[str, int]]:
     """Run the workload; returns its spans (SDK `ReadableSpan`s) and what the run did."""
+    previous, setup.state = setup.state, None
     run = _Run(seed)
     pending = list(enumerate(WORKLOAD))
-    step = 0
-    previous, setup.state = setup.state, run.state
+    turn = 0
+    setup.state = run.state
     try:
-        while (pending or run.scheduler.has_unfinished_requests()) and step < max_steps:
-            while pending and pending[0][1][0] <= step:
+        while (pending or run.core.has_unfinished_requests()) and turn < max_steps:
+            while pending and pending[0][1][0] <= turn:
                 index, (_, prompt_len, max_tokens, shared) = pending.pop(0)
                 run.arrive(index, prompt_len, max_tokens, shared)
             run.step()
-            step += 1
+            turn += 1
     finally:
         setup.state = previous
-        run.workers.shutdown()
-    assert not run.scheduler.has_unfinished_requests(), "the workload did not finish"
+        run.core.shutdown()
+    assert not run.core.has_unfinished_requests(), "the workload did not finish"
+    stats = run.core.get_stats()
     info = {
-        "steps": step,
+        "steps": run.steps,
         "requests": len(WORKLOAD),
-        "preemptions": run.scheduler.num_preemptions,
-        "prefix_hits": run.kv.prefix_hits,
+        "preemptions": stats["num_preemptions"],
+        "prefix_hits": stats["prefix_hits"],
     }
     return list(run.exporter.get_finished_spans()), info
 
