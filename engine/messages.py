@@ -174,7 +174,7 @@ class CoreAddresses(msgspec.Struct, array_like=True):
     output_addrs: list[str]  # one per API server, by client index
     coordinator_addr: str | None = None  # with DP > 1: where to send RankLoad
     # With ranks on other machines: the coordinator's publications over TCP. Engine cores there
-    # watch the head by them (a head silent for HEAD_TIMEOUT_S is gone: they stop).
+    # watch the head by them (a head silent for liveness.HEAD_TIMEOUT_S is gone: they stop).
     head_addr: str | None = None
 
 
@@ -214,7 +214,8 @@ class WorkerReplyKind:
     OUTPUT = b"output"  # ModelRunnerOutput, rank 0 only; seconds = time inside execute_model
     RESULT = b"result"  # a utility call's result
     ERROR = b"error"  # start-up or step exception text; the worker then exits
-    HEARTBEAT = b"beat"  # a worker machine's `run_worker_node`, every HEARTBEAT_S; rank = node
+    # A worker machine's `run_worker_node`, every liveness.WORKER_NODE_HEARTBEAT_S; rank = node.
+    HEARTBEAT = b"beat"
 
 
 class WorkerAddresses(msgspec.Struct, array_like=True):

@@ -29,6 +29,12 @@ import zmq
 
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.core.engine_core import EngineCore
+from stepscope.engine.liveness import (
+    DP_RANK_REPORT_S,
+    HEAD_TIMEOUT_S,
+    HEAD_WATCH_POLL_S,
+    IDLE_HEALTH_CHECK_S,
+)
 from stepscope.engine.messages import (
     CoreAddresses,
     CoreProcArgs,
@@ -53,12 +59,6 @@ from stepscope.traces.process import (
 from stepscope.traces.setup import dropped_spans, init_process_tracing, shutdown_tracing
 
 _LOAD = b"load"  # output-queue item for the DP coordinator's socket, not an API server's
-# With a coordinator, the load goes out at least this often, even from a long step: it is also
-# the heartbeat by which the coordinator notices a rank on another machine is gone.
-LOAD_HEARTBEAT_S = 0.5
-# An engine core on another machine than the head stops when the DP coordinator (which
-# publishes at least every second) has been silent this long: the head is gone.
-HEAD_TIMEOUT_S = 5.0
 HANDSHAKE_TIMEOUT_S = 60.0
 
 
@@ -129,7 +129,7 @@ class EngineCoreProc:
         sock.connect(addr)
         heard = time.monotonic()
         while self.running:
-            if sock.poll(250):
+            if sock.poll(int(HEAD_WATCH_POLL_S * 1000)):
                 while sock.poll(0):
                     sock.recv()
                 heard = time.monotonic()
@@ -159,11 +159,11 @@ class EngineCoreProc:
         load_sent = time.monotonic()
         while True:
             try:
-                item = self.output_queue.get(timeout=LOAD_HEARTBEAT_S)
+                item = self.output_queue.get(timeout=DP_RANK_REPORT_S)
             except queue.Empty:
                 item = ()
             # The heartbeat goes out on time whether outputs flow or not.
-            if load_sock is not None and time.monotonic() - load_sent >= LOAD_HEARTBEAT_S:
+            if load_sock is not None and time.monotonic() - load_sent >= DP_RANK_REPORT_S:
                 load_sock.send(encoder.encode(self._last_load))
                 load_sent = time.monotonic()
             if item is None:
@@ -241,7 +241,9 @@ class EngineCoreProc:
         """Handle every queued message; with `block`, wait for the first one."""
         while True:
             try:
-                kind, msg = self.input_queue.get(block=block, timeout=0.5 if block else None)
+                kind, msg = self.input_queue.get(
+                    block=block, timeout=IDLE_HEALTH_CHECK_S if block else None
+                )
             except queue.Empty:
                 if block:
                     # Idle: keep waiting (shutdown arrives as a message), but notice a worker

@@ -5,7 +5,7 @@ counts) here after every step that changed it, and at least every half second as
 The coordinator keeps the latest of each rank and publishes the whole list to every API server
 about every 100 ms while it changes (and once a second regardless, so a late subscriber catches
 up). The API servers route each new request to the least-loaded rank by these counts plus their
-own in-flight requests. A rank that has reported once and then stays silent for RANK_TIMEOUT_S
+own in-flight requests. A rank that has reported once and then stays silent for DP_RANK_TIMEOUT_S
 is published as lost: that is how an API server learns that an engine core on another machine
 is gone (those on its own machine it watches by pid).
 
@@ -26,15 +26,17 @@ import time
 import msgspec
 import zmq
 
+from stepscope.engine.liveness import (
+    COORDINATOR_HEARTBEAT_S,
+    COORDINATOR_PUBLISH_S,
+    DP_RANK_CHECK_S,
+    DP_RANK_TIMEOUT_S,
+)
 from stepscope.engine.messages import RankLoad
 from stepscope.traces import names
 from stepscope.traces.process import exit_once_on, ignore_terminal_signals, watch_parent
 from stepscope.traces.setup import init_process_tracing
 from stepscope.traces.spans import dp_publish_span
-
-PUBLISH_INTERVAL_S = 0.1
-HEARTBEAT_S = 1.0
-RANK_TIMEOUT_S = 3.0
 
 
 class CoordinatorArgs(msgspec.Struct):
@@ -85,8 +87,8 @@ def run_coordinator(args: CoordinatorArgs) -> None:
     try:
         while True:
             # Sleep until the next publish is due: soon after a change, else at the heartbeat.
-            interval = PUBLISH_INTERVAL_S if changed else HEARTBEAT_S
-            wait_s = max(0.0, min(last_publish + interval - time.monotonic(), 0.5))
+            interval = COORDINATOR_PUBLISH_S if changed else COORDINATOR_HEARTBEAT_S
+            wait_s = max(0.0, min(last_publish + interval - time.monotonic(), DP_RANK_CHECK_S))
             if stats.poll(int(wait_s * 1000) + 1):
                 while True:  # drain: only the latest load of each rank matters
                     try:
@@ -100,10 +102,12 @@ def run_coordinator(args: CoordinatorArgs) -> None:
                         seen[load.dp_rank] = time.monotonic()
             now = time.monotonic()
             for rank, at in enumerate(seen):
-                if at is not None and now - at > RANK_TIMEOUT_S and not loads[rank][2]:
+                if at is not None and now - at > DP_RANK_TIMEOUT_S and not loads[rank][2]:
                     loads[rank][2] = 1
                     changed = True
-            due = now - last_publish >= (PUBLISH_INTERVAL_S if changed else HEARTBEAT_S)
+            due = now - last_publish >= (
+                COORDINATOR_PUBLISH_S if changed else COORDINATOR_HEARTBEAT_S
+            )
             if due:
                 start_ns = time.time_ns()
                 publish.send(encode_loads(loads))

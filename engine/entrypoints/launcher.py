@@ -39,11 +39,10 @@ from stepscope.engine.frontend.engine_group import (
     start_core_process,
     stop_process,
 )
+from stepscope.engine.liveness import LAUNCHER_POLL_S
 from stepscope.engine.messages import ProcessInfo
 from stepscope.engine.models.loader import resolve_model
 from stepscope.traces.process import free_port
-
-POLL_S = 0.2
 
 
 class APIServerArgs(msgspec.Struct):
@@ -191,7 +190,7 @@ def launch(args: argparse.Namespace, engine_args: dict, name: str) -> None:
             if dead:
                 code = servers[dead[0]].poll()
                 raise RuntimeError(f"API server {dead[0]} exited (exit code {code})")
-            time.sleep(POLL_S)
+            time.sleep(LAUNCHER_POLL_S)
     finally:
         for proc in servers:
             if proc.poll() is None:
@@ -275,7 +274,7 @@ def run_headless(args: argparse.Namespace, engine_args: dict) -> None:
                 failed = {r: c for r, c in exited.items() if c != 0} or None
                 if len(exited) == len(procs) or failed:
                     break
-            time.sleep(POLL_S)
+            time.sleep(LAUNCHER_POLL_S)
     finally:
         for proc in procs.values():
             stop_process(proc)

@@ -62,6 +62,7 @@ import zmq
 
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.executor.abstract import Executor
+from stepscope.engine.liveness import EXECUTOR_POLL_S, WORKER_NODE_TIMEOUT_S
 from stepscope.engine.messages import (
     WORKER_UTILITY_METHODS,
     ModelRunnerOutput,
@@ -76,8 +77,6 @@ from stepscope.traces.crossing import traced_receive, traced_send
 
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 5.0
-POLL_MS = 200
-NODE_TIMEOUT_S = 3.0
 # One reply from a worker: (kind, rank, seconds, payload).
 Reply = tuple[bytes, int, float, bytes]
 
@@ -328,7 +327,7 @@ class MultiprocExecutor(Executor):
         """Next reply from any rank; a worker error or death raises instead of hanging."""
         g = self._group
         while True:
-            events = dict(self._poller.poll(POLL_MS))
+            events = dict(self._poller.poll(int(EXECUTOR_POLL_S * 1000)))
             self._check_nodes()
             if g.results in events:
                 if (reply := self._read_reply()) is not None:
@@ -345,11 +344,11 @@ class MultiprocExecutor(Executor):
         """Workers on other machines: their node's heartbeat must keep coming."""
         now = time.monotonic()
         for node, beat in self._node_beats.items():
-            if now - beat > NODE_TIMEOUT_S:
+            if now - beat > WORKER_NODE_TIMEOUT_S:
                 self._fail(
                     f"node {node} (workers on another machine) sent no heartbeat for "
-                    f"{NODE_TIMEOUT_S:.0f} s: its machine or its `stepscope serve --headless` "
-                    "is gone; this executor can no longer run steps"
+                    f"{WORKER_NODE_TIMEOUT_S:.0f} s: its machine or its `stepscope serve "
+                    "--headless` is gone; this executor can no longer run steps"
                 )
 
     def _where(self, rank: int) -> str:

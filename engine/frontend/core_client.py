@@ -35,13 +35,13 @@ from stepscope.engine.config import EngineConfig
 from stepscope.engine.core.dp_coordinator import decode_loads
 from stepscope.engine.core.engine_core import EngineCore
 from stepscope.engine.frontend.engine_group import (
-    POLL_MS,
     EngineDeadError,
     EngineGroup,
     EngineHandles,
     describe_rank,
 )
 from stepscope.engine.frontend.load_balancer import LoadBalancer, merge_utility_results
+from stepscope.engine.liveness import ENGINE_PROCESS_POLL_S
 from stepscope.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -301,9 +301,9 @@ class SyncMPClient(MPClient):
 
     def _receive(self) -> bool:
         """Wait up to one poll interval for messages and file them; False if none came."""
-        ready = dict(self._poller.poll(POLL_MS))
+        ready = dict(self._poller.poll(int(ENGINE_PROCESS_POLL_S * 1000)))
         now = time.monotonic()
-        if not ready or now - self._checked_at > POLL_MS / 1000:
+        if not ready or now - self._checked_at > ENGINE_PROCESS_POLL_S:
             # Also while other ranks keep answering: a dead rank's requests wait on it.
             self._checked_at = now
             self._check_alive()
@@ -405,7 +405,7 @@ class AsyncMPClient(MPClient):
                         what = "the DP coordinator process died"
                     loop.call_soon_threadsafe(self._mark_dead, what)
                     return
-            time.sleep(POLL_MS / 1000)
+            time.sleep(ENGINE_PROCESS_POLL_S)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from stepscope.engine.config import EngineConfig
+from stepscope.engine.liveness import ENGINE_PROCESS_POLL_S
 from stepscope.engine.messages import (
     CoreAddresses,
     CoreProcArgs,
@@ -38,7 +39,6 @@ from stepscope.engine.messages import (
 from stepscope.traces.process import free_port
 
 STARTUP_TIMEOUT_S = 600.0  # the first start may convert the default model (~20 s) and load it
-POLL_MS = 100
 
 
 class EngineDeadError(RuntimeError):
@@ -199,7 +199,7 @@ class EngineGroup:
         deadline = time.monotonic() + ready_timeout
         try:
             while any(r is None for r in self.ready):
-                if router.poll(POLL_MS):
+                if router.poll(int(ENGINE_PROCESS_POLL_S * 1000)):
                     identity, kind, rank_frame, payload = router.recv_multipart()
                     rank = int(rank_frame)
                     msg = _HANDSHAKE_DECODERS[kind].decode(payload)

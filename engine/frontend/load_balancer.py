@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepscope.engine.core.dp_coordinator import RANK_TIMEOUT_S
+from stepscope.engine.liveness import DP_RANK_TIMEOUT_S
 from stepscope.engine.messages import EngineCoreOutputs
 
 
@@ -35,7 +35,7 @@ class LoadBalancer:
         if lost:
             return (
                 f"the engine core of DP rank {lost[0]} stopped reporting to the DP coordinator "
-                f"(no heartbeat for {RANK_TIMEOUT_S:.0f} s): its machine or process is gone"
+                f"(no heartbeat for {DP_RANK_TIMEOUT_S:.0f} s): its machine or process is gone"
             )
         return None
 

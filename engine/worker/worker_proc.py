@@ -37,6 +37,7 @@ import msgspec
 import zmq
 
 from stepscope.engine.config import EngineConfig
+from stepscope.engine.liveness import WORKER_NODE_HEARTBEAT_S
 from stepscope.engine.messages import (
     WORKER_UTILITY_METHODS,
     ModelRunnerOutput,
@@ -52,8 +53,6 @@ from stepscope.traces.setup import init_process_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
     from stepscope.engine.worker.worker import Worker
-
-HEARTBEAT_S = 0.5  # a worker machine's heartbeat to the engine core
 
 
 def describe_exit(code: int | None) -> str:
@@ -316,7 +315,7 @@ def run_worker_node(config: EngineConfig, model_dir: Path) -> int:
                 beat.send_multipart([WorkerReplyKind.ERROR, error_header, text.encode()])
                 code = 1
                 break
-            time.sleep(HEARTBEAT_S)
+            time.sleep(WORKER_NODE_HEARTBEAT_S)
         else:
             code = 1
     finally:

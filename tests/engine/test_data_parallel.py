@@ -167,8 +167,8 @@ def test_async_engine_fails_every_stream_when_a_rank_dies() -> None:
 
 def test_a_rank_decoding_steadily_keeps_its_heartbeat() -> None:
     # One long decode per rank: outputs every step, the (waiting, running) pair unchanged for
-    # longer than the coordinator's RANK_TIMEOUT_S. The heartbeat must still go out.
-    from stepscope.engine.core.dp_coordinator import RANK_TIMEOUT_S
+    # longer than the coordinator's DP_RANK_TIMEOUT_S. The heartbeat must still go out.
+    from stepscope.engine.liveness import DP_RANK_TIMEOUT_S
 
     long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
     with LLM(**TINY, data_parallel_size=2) as llm:
@@ -176,5 +176,5 @@ def test_a_rank_decoding_steadily_keeps_its_heartbeat() -> None:
         outs = llm.generate(["Once upon a time", "In a galaxy far away"], long, use_tqdm=False)
         elapsed = time.monotonic() - start
     assert [len(o.outputs[0].token_ids) for o in outs] == [900, 900]
-    if elapsed < RANK_TIMEOUT_S + 1:
+    if elapsed < DP_RANK_TIMEOUT_S + 1:
         pytest.skip(f"decoding took {elapsed:.1f} s, too fast to outlast the heartbeat timeout")
