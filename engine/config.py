@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,7 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str | None = None
+    attention_backend: str | None = None  # None: the worker picks the device's default
     seed: int = 0
     offline: bool = True
     # "uni": the worker runs inside the engine core's process; "mp": one process per TP rank.
@@ -157,8 +154,8 @@ class EngineConfig:
         on_cpu = not self.device.startswith("cuda")
         if self.attention_backend == "cpu" and not on_cpu:
             raise ValueError("attention_backend 'cpu' runs on the CPU only: use 'triton'")
-        if self.attention_backend is None:
-            self.attention_backend = "triton" if not on_cpu else default_cpu_backend()
+        # None stays None: the worker picks the device's default (engine/layers/attention.py),
+        # so that building a config never builds or loads the C kernels.
 
     @property
     def tensor_parallel_size_local(self) -> int:
@@ -182,14 +179,3 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
-
-
-def default_cpu_backend() -> str:
-    """`cpu` where its C kernel builds (it needs a C compiler), else `torch`, with a warning."""
-    from stepscope.kernels.cpu.build import available
-
-    why_not = available()
-    if why_not is None:
-        return "cpu"
-    logger.warning("attention backend 'torch', not 'cpu': %s", why_not)
-    return "torch"

@@ -2,7 +2,10 @@
 
 Tracing is a layer over the engine, not part of it: `traces/` knows nothing of the engine or the
 dashboard, the kernels know nothing of the engine, and the scheduler, KV cache manager and block
-pool record no spans. Every package under engine/ says in its docstring which process runs it.
+pool record no spans. Models sit on the layers (forward ops, attention backends), not beside the
+worker: engine/models and engine/layers import nothing from engine/worker, and engine/layers
+nothing from engine/models. Every package under engine/ says in its docstring which process runs
+it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ PACKAGES = {
     "traces": "stepscope.traces",
     "viz": "stepscope.viz",
 }
-ENGINE_PACKAGES = ("entrypoints", "frontend", "core", "executor", "worker", "models", "bench")
+ENGINE_PACKAGES = (
+    "entrypoints",
+    "frontend",
+    "core",
+    "executor",
+    "worker",
+    "models",
+    "layers",
+    "bench",
+)
 TRACING = ("stepscope.traces", "opentelemetry")
 UNTRACED = (
     "engine/core/scheduler.py",
@@ -76,6 +88,8 @@ def _sources(folder: str) -> list[Path]:
     [
         ("traces", ("stepscope.engine", "stepscope.viz")),
         ("kernels", ("stepscope.engine",)),
+        ("engine/models", ("stepscope.engine.worker",)),
+        ("engine/layers", ("stepscope.engine.worker", "stepscope.engine.models")),
     ],
 )
 def test_lower_layer_does_not_import_upper_one(folder, forbidden):
@@ -112,3 +126,10 @@ def test_import_reader_sees_forbidden_imports(tmp_path, monkeypatch):
         "traces/helper.py:4 imports stepscope.viz",
     ]
     assert _violations([source], TRACING) == ["traces/helper.py:3 imports opentelemetry.trace"]
+    (tmp_path / "engine" / "models").mkdir(parents=True)
+    model = tmp_path / "engine" / "models" / "llama.py"
+    model.write_text("from ..worker.attention import AttentionBackend\n")
+    assert _violations([model], ("stepscope.engine.worker",)) == [
+        "engine/models/llama.py:1 imports stepscope.engine.worker.attention",
+        "engine/models/llama.py:1 imports stepscope.engine.worker.attention.AttentionBackend",
+    ]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stepscope.engine.layers.attention import AttentionBackend, AttentionMetadata
 from stepscope.engine.models.linear import make_linear
-from stepscope.engine.worker.attention import AttentionBackend, AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from stepscope.engine.config import EngineConfig
+from stepscope.engine.layers.attention import AttentionMetadata, SeqInfo, make_attention_backend
 from stepscope.engine.messages import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from stepscope.engine.models.llama import LlamaModel, LlamaShape
 from stepscope.engine.models.loader import load_config
 from stepscope.engine.sampling_params import SamplingParams
-from stepscope.engine.worker.attention import AttentionMetadata, SeqInfo, make_attention_backend
 from stepscope.engine.worker.sampler import Sampler
 from stepscope.traces import names
 from stepscope.traces.spans import child_span

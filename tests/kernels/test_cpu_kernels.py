@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stepscope.engine.worker.attention import TorchForwardOps
+from stepscope.engine.layers.ops import TorchForwardOps
 from stepscope.kernels.cpu import build, ops
 
 pytestmark = pytest.mark.skipif(

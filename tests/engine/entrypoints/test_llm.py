@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from stepscope.engine import LLM, SamplingParams
 from stepscope.engine.config import EngineConfig
+from stepscope.engine.layers.attention import resolve_attention_backend
 from stepscope.kernels.cpu.build import available as cpu_kernel_available
 
 PROMPTS = [
@@ -218,8 +220,11 @@ def test_cpu_defaults_follow_the_documented_tier() -> None:
     assert (offline.block_size, offline.enable_prefix_caching) == (16, True)
     assert (offline.max_num_batched_tokens, offline.max_num_seqs) == (1024, 128)
     assert (server.max_num_batched_tokens, server.max_num_seqs) == (512, 64)
-    # The C kernels' backend where a C compiler builds them, else the torch reference.
-    assert offline.attention_backend == ("cpu" if cpu_kernel_available() is None else "torch")
+    # The worker picks the backend: the C kernels' where a C compiler builds them, else the
+    # torch reference.
+    assert offline.attention_backend is None
+    expected = "cpu" if cpu_kernel_available() is None else "torch"
+    assert resolve_attention_backend(None, torch.device("cpu")) == expected
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

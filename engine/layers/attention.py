@@ -1,16 +1,21 @@
 """Attention backends: write this step's K/V into the paged cache, then attend through block
 tables (worker forward, stage 6). Each backend also carries the forward's other ops (RMSNorm,
-rotary, SiLU-and-mul) as `ops`.
+rotary, SiLU-and-mul, engine/layers/ops.py) as `ops`.
 
 - `cpu`, the CPU default: decodes through a C kernel that reads each request's keys and values
   straight from the paged cache, prefills as `torch`; RMSNorm (with its residual add) and rotary
   are C kernels too (stepscope.kernels.cpu).
 - `torch`: the reference, in torch ops only (each request's context gathered, then SDPA).
-- `triton`: the kernels in stepscope.kernels (compiled on CUDA, interpreted on CPU).
+- `triton`: the kernels in stepscope.kernels (compiled on CUDA, interpreted on CPU), the CUDA
+  default.
+
+The default is picked here, in the worker (`resolve_attention_backend`), not in the config: only
+the process that runs the forward builds and loads the C kernels.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from abc import ABC, abstractmethod
@@ -18,6 +23,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from stepscope.engine.layers.ops import (
+    CpuForwardOps,
+    ForwardOps,
+    TorchForwardOps,
+    TritonForwardOps,
+)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -58,87 +72,6 @@ class AttentionMetadata:
     max_decode_len: int = 0  # the longest context among them
 
 
-class ForwardOps(ABC):
-    """The forward's norms, rotary and activation, chosen with the attention backend."""
-
-    @abstractmethod
-    def rms_norm(
-        self,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        weight: torch.Tensor,  # [hidden]
-        eps: float,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        """RMSNorm of x, as transformers' LlamaRMSNorm computes it."""
-
-    @abstractmethod
-    def add_rms_norm(
-        self,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        residual: torch.Tensor,  # [num_tokens, hidden]
-        weight: torch.Tensor,  # [hidden]
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed(x + residual), x + residual
-        """The residual add, then RMSNorm of the sum."""
-
-    @abstractmethod
-    def rope_cache(
-        self,
-        max_positions: int,
-        head_dim: int,
-        theta: float,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:  # [max_positions, ...], what `rotary` reads by position
-        """Cos and sin of every position, in the layout `rotary` takes."""
-
-    @abstractmethod
-    def rotary(
-        self,
-        positions: torch.Tensor,  # [num_tokens] int64
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        cache: torch.Tensor,  # from rope_cache
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # q, k rotated
-        """Rotary embedding of q and k by each token's position (rotate_half layout)."""
-
-    @abstractmethod
-    def silu_and_mul(
-        self,
-        x: torch.Tensor,  # [num_tokens, 2 * intermediate], gate then up
-    ) -> torch.Tensor:  # [num_tokens, intermediate]
-        """silu(gate) * up."""
-
-
-class TorchForwardOps(ForwardOps):
-    """Plain torch ops in the model's dtype, op for op as transformers' Llama computes them."""
-
-    def rms_norm(self, x, weight, eps):
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * h.to(x.dtype)
-
-    def add_rms_norm(self, x, residual, weight, eps):
-        x = x + residual
-        return self.rms_norm(x, weight, eps), x
-
-    def rope_cache(self, max_positions, head_dim, theta, device, dtype):
-        # Computed in float32, then cast to the model's dtype, as transformers does; each row is
-        # cos then sin, both over the full head_dim.
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-        inv_freq = 1.0 / (theta**exponents)
-        t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
-        emb = torch.outer(t, inv_freq).repeat(1, 2)
-        return torch.cat([emb.cos(), emb.sin()], dim=-1).to(device=device, dtype=dtype)
-
-    def rotary(self, positions, q, k, cache):
-        cos, sin = cache[positions][:, None, :].chunk(2, dim=-1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-    def silu_and_mul(self, x):
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)  # in place: one activation-sized buffer fewer per layer
-
-
 def _is_fresh_prompt(s: SeqInfo) -> bool:
     """A whole prompt in this step: nothing cached before it."""
     return 1 < s.query_len == s.seq_len
@@ -148,73 +81,6 @@ def _one_request(t: torch.Tensor, rows: slice) -> torch.Tensor:
     """One request's rows [tokens, heads, D] as SDPA's batch of one, [1, heads, tokens, D]: a
     view, no copy."""
     return t[rows].transpose(0, 1)[None]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class CpuForwardOps(TorchForwardOps):
-    """RMSNorm with its residual add, and rotary, as one C kernel call each (float32 and
-    bfloat16 on the CPU; anything else falls back to the torch ops). SiLU-and-mul stays in
-    torch: it is bound by memory, and a C version gained little (docs/benchmarks.md)."""
-
-    def __init__(self) -> None:
-        from stepscope.kernels.cpu import ops
-
-        self._ops = ops
-
-    @staticmethod
-    def _fits(*tensors: torch.Tensor) -> bool:
-        return all(
-            t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in tensors
-        )
-
-    def rms_norm(self, x, weight, eps):
-        if not (self._fits(x) and x.is_contiguous() and x.dim() == 2):
-            return super().rms_norm(x, weight, eps)
-        return self._ops.rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x, residual, weight, eps):
-        if not (self._fits(x) and x.is_contiguous() and residual.is_contiguous() and x.dim() == 2):
-            return super().add_rms_norm(x, residual, weight, eps)
-        return self._ops.rms_norm(x, weight, eps, residual=residual)
-
-    def rotary(self, positions, q, k, cache):
-        if not self._fits(q):
-            return super().rotary(positions, q, k, cache)
-        return self._ops.rotary(positions, q, k, cache)
-
-
-class TritonForwardOps(ForwardOps):
-    """The Triton kernels; RMSNorm takes the residual add into the same launch."""
-
-    def __init__(self) -> None:
-        from stepscope.kernels.rms_norm import rms_norm
-        from stepscope.kernels.rotary_embedding import build_cos_sin_cache, rotary_embedding
-        from stepscope.kernels.silu_and_mul import silu_and_mul
-
-        self._rms_norm = rms_norm
-        self._cos_sin_cache = build_cos_sin_cache
-        self._rotary = rotary_embedding
-        self._silu_and_mul = silu_and_mul
-
-    def rms_norm(self, x, weight, eps):
-        return self._rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x, residual, weight, eps):
-        return self._rms_norm(x, weight, eps, residual=residual)
-
-    def rope_cache(self, max_positions, head_dim, theta, device, dtype):
-        # Kept in float32: the kernel rotates in float32 whatever the model's dtype.
-        return self._cos_sin_cache(max_positions, head_dim, theta).to(device)
-
-    def rotary(self, positions, q, k, cache):
-        return self._rotary(positions, q, k, cache)
-
-    def silu_and_mul(self, x):
-        return self._silu_and_mul(x)
 
 
 class AttentionBackend(ABC):
@@ -582,7 +448,27 @@ def _enable_triton_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def make_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:
+def resolve_attention_backend(name: str | None, device: torch.device) -> str:
+    """The backend to run: `name` if one was asked for, else `triton` on CUDA and on a CPU `cpu`
+    where its C kernels build (they need a C compiler), else `torch`, with a warning."""
+    if name is not None:
+        return name
+    if device.type != "cpu":
+        return "triton"
+    from stepscope.kernels.cpu.build import available
+
+    why_not = available()
+    if why_not is None:
+        return "cpu"
+    logger.warning("attention backend 'torch', not 'cpu': %s", why_not)
+    return "torch"
+
+
+def make_attention_backend(
+    name: str | None, block_size: int, device: torch.device
+) -> AttentionBackend:
+    """The backend `name` (None: the device's default, see `resolve_attention_backend`)."""
+    name = resolve_attention_backend(name, device)
     if name == "torch":
         return TorchAttentionBackend(block_size, device)
     if name == "cpu":

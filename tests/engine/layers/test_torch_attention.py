@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepscope.engine.worker.attention import (
+from stepscope.engine.layers.attention import (
     CpuAttentionBackend,
     SeqInfo,
     TorchAttentionBackend,
