@@ -96,6 +96,27 @@ def test_lower_layer_does_not_import_upper_one(folder, forbidden):
     assert _violations(_sources(folder), forbidden) == []
 
 
+def test_the_tracing_library_imports_nothing_of_the_trace_backend():
+    """Every process loads traces/ to record spans; the collector, the DuckDB store and the
+    queries (traces/backend/) are for the process that holds the file."""
+    library = [p for p in _sources("traces") if "backend" not in p.relative_to(ROOT).parts]
+    assert library and _violations(library, ("stepscope.traces.backend",)) == []
+
+
+def test_the_engine_imports_the_dashboard_only_lazily_from_the_cli():
+    """engine/ is below viz/; the `stepscope` command line starts the dashboard, importing it
+    inside the command's function, so no engine process loads Panel."""
+    found = _violations(_sources("engine"), ("stepscope.viz",))
+    cli = "engine/entrypoints/cli.py"
+    assert [v for v in found if not v.startswith(cli + ":")] == []
+    top_level = {
+        node.lineno
+        for node in ast.parse((ROOT / cli).read_text()).body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    }
+    assert [v for v in found if int(v.split(":")[1].split()[0]) in top_level] == []
+
+
 @pytest.mark.parametrize("path", UNTRACED)
 def test_scheduling_and_kv_modules_record_no_spans(path):
     assert _violations([ROOT / path], TRACING) == []

@@ -7,7 +7,6 @@ import argparse
 import sys
 
 from stepscope.engine.models.loader import BUILTIN_MODELS, DEFAULT_MODEL
-from stepscope.viz import dashboard
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -277,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_trace_export)
 
     p = sub.add_parser("dashboard", help="the dashboard: a trace file, a live collector, or none")
+    # The dashboard sits above the engine: its module (light: no Panel until it runs) is
+    # imported here, in the command line only.
+    from stepscope.viz import dashboard
+
     dashboard.add_arguments(p)
     p.set_defaults(func=dashboard.run)
 
