@@ -922,41 +922,19 @@ def stepscope_time(
 
 def hf_generate_time(ctx: Context, model_dir: Path, workload, warmup, dtype: str) -> float:
     """Seconds for transformers `generate` over the workload: length-sorted static batches,
-    left-padded, each run to its longest output (as `stepscope bench offline` does)."""
+    left-padded, each run to its longest output (`stepscope bench offline`'s own baseline)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from stepscope.engine.bench.offline import generate_batches
 
     device, batch_size = ctx.device, ctx.sizes.hf_batch_size
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model = model.to(device).eval()
-    pad = model.generation_config.pad_token_id or 0
-
-    def run(model, w) -> None:
-        order = sorted(range(len(w.prompts)), key=lambda r: len(w.prompts[r]))
-        for b in range(0, len(order), batch_size):
-            batch = order[b : b + batch_size]
-            width = max(len(w.prompts[r]) for r in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, r in enumerate(batch):
-                p = w.prompts[r]
-                ids[row, width - len(p) :] = torch.tensor(p)
-                mask[row, width - len(p) :] = 1
-            new = max(w.output_lens[r] for r in batch)
-            with torch.inference_mode():
-                model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=mask.to(device),
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=False,
-                    pad_token_id=pad,
-                )
-
-    run(model, warmup)
+    generate_batches(model, warmup, batch_size, device)
     synchronize(device)
     start = time.perf_counter()
-    run(model, workload)
+    generate_batches(model, workload, batch_size, device)
     synchronize(device)
     elapsed = time.perf_counter() - start
     del model

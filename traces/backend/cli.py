@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
@@ -176,12 +176,9 @@ def trace_explain(
     Returns 0, or 1 (with a message) when the trace has no such request.
     """
     out = out or sys.stdout
-    with open_trace(path) as source:
-        try:
-            result = explain.explain(source, request_id)
-        except KeyError as error:
-            print(error.args[0], file=sys.stderr)
-            return 1
+    result = _ask(path, lambda source: explain.explain(source, request_id))
+    if result is None:
+        return 1
     if as_json:
         print(explain.to_json(result), file=out)
         return 0
@@ -202,7 +199,7 @@ def trace_explain(
             {
                 "reason": list(result["queue_reasons"]),
                 "ms": [s * 1e3 for s in result["queue_reasons"].values()],
-            }  # fmt: skip
+            }
         )
         _section(out, "queue time by reason", _table(reasons))
     shared = result["shared"]
@@ -221,6 +218,17 @@ def trace_explain(
     return 0
 
 
+def _ask(path: str, question: Callable[[queries.Source], Any]) -> Any:
+    """`question` asked of the trace at `path`; None, with the message, when the trace has no
+    such request."""
+    with open_trace(path) as source:
+        try:
+            return question(source)
+        except KeyError as error:
+            print(error.args[0], file=sys.stderr)
+            return None
+
+
 def _other_requests(shared: dict) -> str:
     low, high = shared["other_requests_min"], shared["other_requests_max"]
     return str(low) if low == high else f"{low}-{high}"
@@ -229,12 +237,9 @@ def _other_requests(shared: dict) -> str:
 def trace_slowest(path: str, limit: int = 10, out: TextIO | None = None) -> int:
     """The slowest requests, each with its largest part and that part's cause."""
     out = out or sys.stdout
-    with open_trace(path) as source:
-        try:
-            results = explain.slowest(source, limit)
-        except KeyError as error:
-            print(error.args[0], file=sys.stderr)
-            return 1
+    results = _ask(path, lambda source: explain.slowest(source, limit))
+    if results is None:
+        return 1
     rows = []
     for r in results:
         part, seconds = explain.largest_part(r)
