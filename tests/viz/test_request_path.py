@@ -154,7 +154,9 @@ def test_app_pages_read_the_trace(source, trace_db):
     answer = explain(source, rid)
     assert html.escape(answer["summary"]) in path.why_text.object
     bars = path.why_parts.data
-    assert bars["left"][0] == 0 and bars["right"][-1] == pytest.approx(answer["e2e_s"] * 1e3)
+    # explain rounds each part to the microsecond: their sum is e2e within a few microseconds.
+    assert bars["left"][0] == 0
+    assert bars["right"][-1] == pytest.approx(answer["e2e_s"] * 1e3, abs=0.01)
 
 
 def test_app_without_a_trace_says_how_to_get_one():
