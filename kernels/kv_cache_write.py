@@ -11,14 +11,9 @@ import triton
 import triton.language as tl
 
 
-def write_kv_cache_ref(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
-) -> None:
-    """Scatter key and value rows into their cache slots in place."""
+def write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """`write_kv_cache` (same arguments and shapes) in plain PyTorch: scatter key and value rows
+    into their cache slots in place."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]

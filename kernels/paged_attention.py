@@ -16,16 +16,9 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 
-def paged_attention_ref(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new query tokens
-    scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention over the paged cache, one sequence at a time, in float32."""
+def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+    """`paged_attention` (same arguments and shapes) in plain PyTorch: causal attention over the
+    paged cache, one sequence at a time, in float32."""
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -10,13 +10,9 @@ import triton
 import triton.language as tl
 
 
-def rms_norm_ref(
-    x: torch.Tensor,  # [num_tokens, hidden]
-    weight: torch.Tensor,  # [hidden]
-    eps: float,
-    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Normed x; with a residual, (normed(x + residual), x + residual)."""
+def rms_norm_ref(x, weight, eps: float, residual=None):
+    """`rms_norm` (same arguments and shapes) in plain PyTorch: normed x; with a residual,
+    (normed(x + residual), x + residual)."""
     if residual is not None:
         x = x + residual
     hidden = x.to(torch.float32)

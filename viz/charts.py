@@ -1,6 +1,7 @@
 """Chart pieces more than one chart draws: the decode/prefill token bars with their
 preemption marks and hover (the simulator's many-steps chart and the engine page's token chart),
-the per-step hover and finish of the engine page's step charts, and the replay's step markers.
+the per-step hover and finish of the engine page's step charts, the replay's step markers, and
+the horizontal interval bars of every timeline (lanes, the request's stages, its parts, blocks).
 
 Each piece draws on a figure from `ui.new_figure`, reading the column names its docstring gives
 from the source it is handed.
@@ -31,6 +32,16 @@ def token_bars(
         source=source,
         color=[COLORS["decode"], COLORS["prefill"]],
         legend_label=list(labels),
+    )
+
+
+def interval_bars(
+    fig: figure, source: ColumnDataSource, y: str, height: float, **style: Any
+) -> GlyphRenderer:
+    """One horizontal bar per row, from `left` to `right` on the row named by column `y`, in the
+    row's `color`; `style` adds glyph options (`legend_field`, `alpha`)."""
+    return fig.hbar(
+        y=y, left="left", right="right", height=height, color="color", source=source, **style
     )
 
 

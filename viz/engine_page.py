@@ -36,6 +36,7 @@ from bokeh.plotting import figure
 from stepscope.traces import names as n
 from stepscope.viz.charts import (
     finish_step_chart,
+    interval_bars,
     preemption_marks,
     step_markers,
     token_bars,
@@ -284,15 +285,7 @@ class EnginePage:
             left=0, right=0, fill_color="#33414e", fill_alpha=0.12, visible=False
         )
         fig.add_layout(self.timeline_step)
-        bars = fig.hbar(
-            y="lane",
-            left="left",
-            right="right",
-            height=0.5,
-            color="color",
-            source=self.lane_bars,
-            alpha=0.85,
-        )
+        bars = interval_bars(fig, self.lane_bars, "lane", 0.5, alpha=0.85)
         links = fig.segment(
             x0="x0",
             y0="y0",

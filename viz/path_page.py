@@ -17,6 +17,7 @@ from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Span
 
 from stepscope.traces.backend import explain, queries
 from stepscope.traces.names import RequestEvent
+from stepscope.viz.charts import interval_bars
 from stepscope.viz.request_path import (
     STAGES,
     preemption_times,
@@ -93,15 +94,7 @@ class RequestPathPage:
             y_range=FactorRange(*reversed(labels)),
             x_axis_label="ms since the request arrived",
         )
-        bars = fig.hbar(
-            y="stage",
-            left="left",
-            right="right",
-            height=0.55,
-            color="color",
-            legend_field="kind",
-            source=self.bars,
-        )
+        bars = interval_bars(fig, self.bars, "stage", 0.55, legend_field="kind")
         # Crossings take microseconds: a marker keeps them visible at any zoom.
         marks = fig.scatter(
             x="mid", y="stage", color="color", size=7, marker="diamond", source=self.bars
@@ -157,10 +150,7 @@ class RequestPathPage:
             y_range=FactorRange("request"),
             x_axis_label="ms since the request arrived",
         )
-        why_bars = why.hbar(
-            y="y", left="left", right="right", height=0.6, color="color", legend_field="part",
-            source=self.why_parts,
-        )  # fmt: skip
+        why_bars = interval_bars(why, self.why_parts, "y", 0.6, legend_field="part")
         why.add_tools(HoverTool(renderers=[why_bars], tooltips=[("", "@part: @ms")]))
         outside_legend(why)
         self.why_fig = why

@@ -16,7 +16,7 @@ import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, LinearAxis, Range1d, Span
 from bokeh.plotting import figure
 
-from stepscope.viz.charts import preemption_marks, token_bars, token_hover
+from stepscope.viz.charts import interval_bars, preemption_marks, token_bars, token_hover
 from stepscope.viz.simulator import (
     GROUP_A,
     GROUP_B,
@@ -52,68 +52,33 @@ class SimulatorPage:
     many."""
 
     def __init__(self) -> None:
-        slider = dict(sizing_mode="stretch_width")
-        self.running = pn.widgets.IntSlider(
-            label="Running decode requests",
-            start=0,
-            end=512,
-            value=64,
-            css_classes=["sim-running"],
-            **slider,
-        )
-        self.prompt_len = pn.widgets.IntSlider(
-            label="Waiting prompt length (tokens)",
-            start=1,
-            end=16384,
-            value=3968,
-            css_classes=["sim-prompt"],
-            **slider,
-        )
-        self.free_blocks = pn.widgets.IntSlider(
-            label="Free KV blocks",
-            start=0,
-            end=1024,
-            value=64,
-            css_classes=["sim-free"],
-            **slider,
-        )
-        small = dict(width=150)
-        self.budget = pn.widgets.IntInput(
-            label="Token budget",
-            css_classes=["sim-budget"],
-            value=2048,
-            start=1,
-            end=65536,
-            step=64,
-            **small,
-        )
-        self.block_size = pn.widgets.IntInput(
-            label="Block size",
-            css_classes=["sim-block-size"],
-            value=64,
-            start=2,
-            end=1024,
-            step=16,
-            **small,
-        )
-        self.max_num_seqs = pn.widgets.IntInput(
-            label="max_num_seqs",
-            css_classes=["sim-max-seqs"],
-            value=256,
-            start=1,
-            end=8192,
-            **small,
-        )
+        def slider(label: str, css: str, start: int, end: int, value: int) -> pn.widgets.IntSlider:
+            return pn.widgets.IntSlider(
+                label=label, start=start, end=end, value=value, css_classes=[css],
+                sizing_mode="stretch_width",
+            )  # fmt: skip
+
+        def number(label: str, css: str, start: int, end: int, value: int, step: int = 1):
+            return pn.widgets.IntInput(
+                label=label, start=start, end=end, value=value, step=step, css_classes=[css],
+                width=150,
+            )  # fmt: skip
+
+        # label, CSS class (the browser tests find widgets by it), start, end, value
+        self.running = slider("Running decode requests", "sim-running", 0, 512, 64)
+        self.prompt_len = slider("Waiting prompt length (tokens)", "sim-prompt", 1, 16384, 3968)
+        self.free_blocks = slider("Free KV blocks", "sim-free", 0, 1024, 64)
+        self.budget = number("Token budget", "sim-budget", 1, 65536, 2048, step=64)
+        self.block_size = number("Block size", "sim-block-size", 2, 1024, 64, step=16)
+        self.max_num_seqs = number("max_num_seqs", "sim-max-seqs", 1, 8192, 256)
         self.presets = [
             pn.widgets.Button(label=name, color="primary", variant="outline") for name in PRESETS
         ]
         for button in self.presets:
             button.on_click(lambda event, name=button.label: self.apply_preset(name))
 
-        self.num_steps = pn.widgets.IntInput(label="Steps", value=24, start=1, end=100, **small)
-        self.output_len = pn.widgets.IntInput(
-            label="Tokens to generate", value=8, start=1, end=1024, **small
-        )
+        self.num_steps = number("Steps", "sim-steps", 1, 100, 24)
+        self.output_len = number("Tokens to generate", "sim-output-len", 1, 1024, 8)
         self.repeat = pn.widgets.Checkbox(label="Same prompt again at step", value=True)
         self.repeat_at = pn.widgets.IntInput(label="", value=3, start=0, end=99, width=80)
         self.prefix_caching = pn.widgets.Checkbox(label="Prefix caching", value=True)
@@ -191,15 +156,7 @@ class SimulatorPage:
             y_range=FactorRange("needed", "free"),
         )
         blocks.toolbar_location = None
-        blocks.hbar(
-            y="row",
-            left="left",
-            right="right",
-            height=0.6,
-            color="color",
-            legend_field="label",
-            source=self.blocks_source,
-        )
+        interval_bars(blocks, self.blocks_source, "row", 0.6, legend_field="label")
         blocks.add_tools(HoverTool(tooltips=[("", "@label: @left to @right")]))
         outside_legend(blocks, "below")
         return budget, blocks

@@ -97,24 +97,6 @@ def run_bench_serve(
     request at once. `model` defaults to the first model the server lists. Safe to call from a
     notebook, whose event loop is already running.
     """
-    coro = bench_serve_async(url, workload, concurrency, request_rate, api_key, model, seed)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-async def bench_serve_async(
-    url: str,
-    workload: Workload,
-    concurrency: int | None = None,
-    request_rate: float | None = None,
-    api_key: str | None = None,
-    model: str | None = None,
-    seed: int = 0,
-) -> BenchResult:
     if concurrency is not None and request_rate is not None:
         raise ValueError("give either concurrency or request_rate, not both")
     if concurrency is not None and concurrency < 1:
@@ -124,6 +106,16 @@ async def bench_serve_async(
     if concurrency is None and request_rate is None:
         concurrency = len(workload.prompts)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    coro = _replay(url, headers, workload, concurrency, request_rate, model, seed)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+async def _replay(url, headers, workload, concurrency, request_rate, model, seed) -> BenchResult:
     # Requests may queue behind a saturated batch for minutes; only connecting must be quick.
     timeout = httpx.Timeout(600.0, connect=30.0, pool=None)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

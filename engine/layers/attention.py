@@ -117,13 +117,8 @@ class AttentionBackend(ABC):
             max_decode_len=max((s.seq_len for s in seqs[:num_decodes]), default=0),
         )
 
-    def _build_groups(
-        self,
-        seqs: list[SeqInfo],
-        num_decodes: int,
-        query_start_loc: torch.Tensor,
-        block_tables: torch.Tensor,
-    ) -> list[PaddedGroup]:
+    def _build_groups(self, seqs, num_decodes, query_start_loc, block_tables) -> list[PaddedGroup]:
+        """The prefills a backend attends as padded groups (see the torch backend); none here."""
         return []
 
     @abstractmethod

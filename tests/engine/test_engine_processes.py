@@ -64,11 +64,18 @@ def test_smollm2_tp3_gives_the_tp1_tokens() -> None:
     assert tokens[3] == tokens[1]
 
 
-@pytest.mark.parametrize("victim", ["engine_core", "worker"])
-def test_a_killed_process_fails_the_request_within_5_s(victim: str) -> None:
-    llm = LLM(**TINY, executor="mp", tensor_parallel_size=2)
+@pytest.mark.parametrize(
+    ("layout", "victim"),
+    [("tp2", "engine_core"), ("tp2", "worker"), ("dp2", "engine_core"), ("dp2", "worker")],
+)
+def test_a_killed_process_fails_the_requests_within_5_s(layout: str, victim: str) -> None:
+    """At TP=2 the one engine fails; at DP=2 killing a process of rank 1 fails the whole group,
+    with an error naming the rank."""
+    parallel = {"tensor_parallel_size": 2} if layout == "tp2" else {"data_parallel_size": 2}
+    llm = LLM(**TINY, executor="mp", **parallel)
     procs = llm.processes()
-    pid = next(p.pid for p in procs if p.role == victim)
+    dp_rank = 1 if layout == "dp2" else 0
+    pid = next(p.pid for p in procs if p.role == victim and p.dp_rank == dp_rank)
     killed_at: list[float] = []
 
     def kill_soon() -> None:
@@ -78,8 +85,8 @@ def test_a_killed_process_fails_the_request_within_5_s(victim: str) -> None:
 
     threading.Thread(target=kill_soon, daemon=True).start()
     long = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # to the context
-    with pytest.raises(EngineDeadError):
-        while True:  # busy until the kill
+    with pytest.raises(EngineDeadError, match="DP rank 1" if layout == "dp2" else None):
+        while True:  # busy (on every rank) until the kill
             llm.generate(["Hello"] * 4, long, use_tqdm=False)
     assert time.monotonic() - killed_at[0] < 5.0
     with pytest.raises(EngineDeadError):  # and every later request, at once

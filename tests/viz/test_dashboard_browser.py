@@ -72,22 +72,23 @@ class Page:
         self.page.close()
 
 
-@pytest.fixture(scope="module")
-def empty_page(browser, servers) -> Iterator[Page]:
-    """One session of the dashboard with no trace (a page load costs seconds on 2 CPUs)."""
-    page = Page(browser, servers["empty"].url)
+def _session(browser, url: str) -> Iterator[Page]:
+    page = Page(browser, url)
     yield page
     page.assert_only_local()
     page.close()
+
+
+@pytest.fixture(scope="module")
+def empty_page(browser, servers) -> Iterator[Page]:
+    """One session of the dashboard with no trace (a page load costs seconds on 2 CPUs)."""
+    yield from _session(browser, servers["empty"].url)
 
 
 @pytest.fixture(scope="module")
 def replay_page(browser, servers) -> Iterator[Page]:
     """One session of the dashboard replaying the trace file."""
-    page = Page(browser, servers["replay"].url)
-    yield page
-    page.assert_only_local()
-    page.close()
+    yield from _session(browser, servers["replay"].url)
 
 
 def _expect_readouts(page: Page, running: int, prompt_len: int, free_blocks: int, **kw) -> None:

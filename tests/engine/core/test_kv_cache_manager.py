@@ -11,8 +11,8 @@ from stepscope.engine.core.block_pool import KVCacheBlock
 from stepscope.engine.core.kv_cache_manager import KVCacheManager
 from stepscope.engine.core.request import Request, RequestStatus
 from stepscope.engine.core.scheduler import Scheduler
-from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.engine.sampling_params import SamplingParams
+from tests.engine.core.fake_runner import fake_runner_output
 
 BS = 4  # block size of most tests here: small, so block arithmetic is easy to follow
 
@@ -42,16 +42,6 @@ def pool_snapshot(kv: KVCacheManager) -> tuple[object, ...]:
         {k: list(v) for k, v in kv.req_to_blocks.items()},
         dict(kv.num_cached_blocks),
     )
-
-
-def fake_runner_output(scheduler: Scheduler, out: SchedulerOutput, token: int) -> ModelRunnerOutput:
-    """Sample `token` for every request whose scheduled chunk reached its last known token."""
-    sampled = []
-    for req_id in out.num_scheduled_tokens:
-        request = scheduler.requests.get(req_id)
-        done = request is not None and request.num_computed_tokens == request.num_tokens
-        sampled.append([token] if done else [])
-    return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
 
 
 # ---- get_computed_blocks ---------------------------------------------------------------------

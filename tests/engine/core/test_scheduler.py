@@ -11,8 +11,9 @@ import pytest
 from stepscope.engine.core.kv_cache_manager import KVCacheManager, cdiv
 from stepscope.engine.core.request import Request, RequestStatus
 from stepscope.engine.core.scheduler import Scheduler
-from stepscope.engine.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from stepscope.engine.messages import EngineCoreOutput, SchedulerOutput
 from stepscope.engine.sampling_params import SamplingParams
+from tests.engine.core.fake_runner import fake_runner_output
 
 BS = 4  # block size of the small hand-checked cases
 EOS = 0
@@ -47,17 +48,6 @@ def make_scheduler(
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
     return Scheduler(kv, budget, max_num_seqs, max_model_len, enable_chunked_prefill)
-
-
-def fake_runner_output(scheduler: Scheduler, out: SchedulerOutput, token: int) -> ModelRunnerOutput:
-    """Sample `token` for each request whose scheduled chunk reached its last known token;
-    a request part way through its prefill gets an empty list, as from the real runner."""
-    sampled = []
-    for req_id in out.num_scheduled_tokens:
-        request = scheduler.requests.get(req_id)
-        done = request is not None and request.num_computed_tokens == request.num_tokens
-        sampled.append([token] if done else [])
-    return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
 
 
 def step(scheduler: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
