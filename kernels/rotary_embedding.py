@@ -12,22 +12,23 @@ import triton.language as tl
 
 
 def build_cos_sin_cache(
-    max_position: int, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+    max_position: int,
+    head_dim: int = 0,
+    theta: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
+    inv_freq: torch.Tensor | None = None,  # [head_dim / 2]; None: unscaled, from theta
 ) -> torch.Tensor:  # [max_position, head_dim]
     """Cos and sin of position * inv_freq, computed as transformers' LlamaRotaryEmbedding does."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    if inv_freq is None:
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        inv_freq = 1.0 / (theta**exponents)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
 
 
-def rotary_embedding_ref(
-    positions: torch.Tensor,  # [num_tokens] int64
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
-) -> tuple[torch.Tensor, torch.Tensor]:  # q, k rotated, same shapes
-    """Rotated copies of q and k, computed in float32."""
+def rotary_embedding_ref(positions, q, k, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding` (same arguments and shapes) in plain PyTorch: rotated copies of q and
+    k, computed in float32."""
     cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:

@@ -221,7 +221,7 @@ def build_app(
         s: ServerState = request.app.state.s
         _check_model(s, body.model)
         prompts = body.prompts()
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(s.engine.processor.default_sampling)
         echo = Echo(prompts, score_only=body.score_only) if body.echo else None
         responses = CompletionResponses(s.engine.tokenizer, s.model_name, params, echo)
         return await serve(
@@ -233,7 +233,7 @@ def build_app(
         received = time.time()
         s: ServerState = request.app.state.s
         _check_model(s, body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(s.engine.processor.default_sampling)
         ids = s.engine.processor.apply_chat_template(chat_messages(body.messages))
         responses = ChatResponses(s.engine.tokenizer, s.model_name, params)
         return await serve(

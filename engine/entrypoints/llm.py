@@ -37,7 +37,14 @@ from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
 from stepscope.engine.frontend.output_processor import OutputProcessor
 from stepscope.engine.frontend.parallel_sampling import ParentRequest
 from stepscope.engine.messages import ProcessInfo
-from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from stepscope.engine.models.config import read_model_shape
+from stepscope.engine.models.loader import (
+    DEFAULT_MODEL,
+    load_config,
+    load_generation_config,
+    load_tokenizer,
+    resolve_model,
+)
 from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
@@ -108,6 +115,8 @@ class LLM:
             trace_content=trace_content,
         )
         self.model_dir = resolve_model(model)
+        # A checkpoint this engine cannot run is refused here, before any process starts.
+        read_model_shape(self.model_dir, self.config.tensor_parallel_size)
         self.trace_db = None if trace_db is None else Path(trace_db)
         self._trace_store = None
         self._collector = None
@@ -125,6 +134,7 @@ class LLM:
             self.tokenizer,
             self.client.max_model_len,
             load_config(self.model_dir)["vocab_size"],
+            load_generation_config(self.model_dir),
         )
         self.output_processor = OutputProcessor(
             self.tokenizer,
@@ -191,6 +201,12 @@ class LLM:
         return client.df(sql)
 
     # ---- public API -------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: the checkpoint's
+        generation_config.json values (temperature, top_p, top_k, repetition_penalty) where it
+        sets them, SamplingParams' defaults elsewhere."""
+        return self.processor.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -286,7 +302,7 @@ class LLM:
         texts_are_prompts: bool = True,
     ) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(token_lists)
         else:

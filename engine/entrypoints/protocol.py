@@ -109,8 +109,18 @@ class _Common(BaseModel):
         return text_is_unicode(data)
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        defaults: dict[str, Any],
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        """`defaults`: the checkpoint's values for fields the request leaves unset (null)."""
+
+        def value(name: str, default: Any) -> Any:
+            given = getattr(self, name)
+            return defaults.get(name, default) if given is None else given
+
         logit_bias = None
         if self.logit_bias:
             try:
@@ -121,9 +131,9 @@ class _Common(BaseModel):
                 ) from None
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            temperature=value("temperature", 1.0),
+            top_p=value("top_p", 1.0),
+            top_k=value("top_k", 0),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -137,7 +147,7 @@ class _Common(BaseModel):
             logit_bias=logit_bias,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=value("repetition_penalty", 1.0),
         )
 
 
@@ -164,8 +174,9 @@ class CompletionRequest(_Common):
         loglikelihood evals send); the engine still runs one step, whose token is dropped."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         return self._sampling_params(
+            defaults or {},
             1 if self.score_only else self.max_tokens,
             self.logprobs,
             self.logprobs if self.echo else None,
@@ -200,12 +211,14 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
         top = self.top_logprobs if self.top_logprobs is not None else 0
         return self._sampling_params(
-            self.max_completion_tokens or self.max_tokens, top if self.logprobs else None
+            defaults or {},
+            self.max_completion_tokens or self.max_tokens,
+            top if self.logprobs else None,
         )
 
 

@@ -68,8 +68,11 @@ def serve(args: argparse.Namespace) -> None:
     # Validate the configuration before anything starts, so a typo fails fast and clearly.
     from stepscope.engine.config import EngineConfig
     from stepscope.engine.entrypoints import launcher
+    from stepscope.engine.models.config import read_model_shape
+    from stepscope.engine.models.loader import resolve_model
 
     EngineConfig(model=args.model, offline=False, **engine_args)
+    read_model_shape(resolve_model(args.model), args.tp)  # a checkpoint it cannot run: refused
     launcher.check_scale_out_args(args)
     if args.headless:
         launcher.run_headless(args, engine_args)

@@ -21,7 +21,14 @@ from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
 from stepscope.engine.frontend.output_processor import OutputProcessor
 from stepscope.engine.frontend.parallel_sampling import ParentRequest
 from stepscope.engine.messages import EngineCoreOutputs, ProcessInfo
-from stepscope.engine.models.loader import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from stepscope.engine.models.config import read_model_shape
+from stepscope.engine.models.loader import (
+    DEFAULT_MODEL,
+    load_config,
+    load_generation_config,
+    load_tokenizer,
+    resolve_model,
+)
 from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
@@ -43,6 +50,8 @@ class AsyncLLM:
         self.config = EngineConfig(model=model, offline=False, **engine_args)
         self.model_name = model
         self.model_dir = resolve_model(model)
+        # A checkpoint this engine cannot run is refused here, before any process starts.
+        read_model_shape(self.model_dir, self.config.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.client = AsyncMPClient(
             self.config,
@@ -52,7 +61,10 @@ class AsyncLLM:
             output_addr=output_addr,
         )
         self.processor = InputProcessor(
-            self.tokenizer, self.client.max_model_len, load_config(self.model_dir)["vocab_size"]
+            self.tokenizer,
+            self.client.max_model_len,
+            load_config(self.model_dir)["vocab_size"],
+            load_generation_config(self.model_dir),
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, model, trace_content=self.config.trace_content

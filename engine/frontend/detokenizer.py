@@ -60,8 +60,12 @@ class IncrementalDetokenizer:
         """The whole text so far, stop string removed unless include_stop_str_in_output."""
         return "".join(self._sent) + "".join(self._unsent)
 
-    def update(self, new_token_ids: list[int], finished: bool) -> str | None:
+    def update(
+        self, new_token_ids: list[int], finished: bool, stop_token: bool = False
+    ) -> str | None:
         """Feed this step's new token ids; `finished` when the engine core ended the request.
+        `stop_token`: the last of them is the eos or stop token id that ended it; as in vLLM,
+        its text is not part of the output unless include_stop_str_in_output.
 
         Returns the stop string that matched (the request must then be aborted in the engine core
         and finish with reason 'stop'), else None. Tokens after the match are dropped, and so is
@@ -69,6 +73,9 @@ class IncrementalDetokenizer:
         """
         if self._finished:
             return None
+        hidden = new_token_ids[-1:] if stop_token and not self._include_stop else []
+        if hidden:
+            new_token_ids = new_token_ids[:-1]
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             text = self._step(token_id)
@@ -84,6 +91,7 @@ class IncrementalDetokenizer:
                 self._held_from = len(self.token_ids)
                 if text and self._append(text):
                     return self.stop_reason
+        self.token_ids += hidden  # counted as an output token, never decoded
         return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:

@@ -10,18 +10,45 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from stepscope.engine.messages import EngineCoreRequest
 from stepscope.engine.sampling_params import FieldError, SamplingParams
 
 PromptType = str | list[int]
+# The generation_config.json keys that become default sampling values, as vLLM takes them.
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    """`generation_config`: the checkpoint's generation_config.json. Its sampling values are the
+    defaults of a request that leaves them unset (`default_sampling`), and every eos id it lists
+    stops a request as the tokenizer's own eos does."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+        generation_config: dict | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id: int | None = tokenizer.eos_token_id
+        gen = generation_config or {}
+        self.default_sampling: dict[str, Any] = {
+            k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None
+        }
+        eos = gen.get("eos_token_id")
+        eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        # The tokenizer's eos stays the request's eos; the others are stop token ids, hidden
+        # from the text like it (vLLM's update_from_generation_config).
+        self.extra_eos_ids = sorted(eos_ids - {self.eos_token_id})
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's defaults (vLLM's get_default_sampling_params)."""
+        return SamplingParams(**self.default_sampling)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
@@ -62,6 +89,9 @@ class InputProcessor:
         self.validate_max_tokens(prompt_token_ids, params)
         self.validate_token_ids(params)
         self.validate_stop(params)
+        if self.extra_eos_ids and not params.ignore_eos:
+            stop_ids = sorted(set(params.stop_token_ids) | set(self.extra_eos_ids))
+            params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

