@@ -70,6 +70,12 @@ def _bench_serve(args: argparse.Namespace) -> None:
     bench_serve(args)
 
 
+def _bench_sampling(args: argparse.Namespace) -> int:
+    from stepscope.engine.bench.sampling import run_bench_sampling
+
+    return run_bench_sampling(args.model, args.streams, args.max_tokens, args.dtype)
+
+
 def _bench_soak(args: argparse.Namespace) -> None:
     from stepscope.engine.bench.soak import bench_soak
 
@@ -348,6 +354,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="then run the workload through LLM(...) here and print server / offline tok/s",
     )
     p.set_defaults(func=_bench_serve, executor="uni")
+
+    p = bench_sub.add_parser(
+        "sampling", help="a traced server's sample spans against its forward spans"
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--streams", type=int, default=16, help="concurrent sampled chat streams")
+    p.add_argument("--max-tokens", type=int, default=64, help="per stream")
+    p.set_defaults(func=_bench_sampling)
 
     p = bench_sub.add_parser(
         "soak", help="rounds of streams, disconnects, aborts and hostile bodies; checks recovery"

@@ -150,12 +150,16 @@ class ModelRunner:
             batch = self._prepare_inputs(so)
         if batch is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        with child_span(names.FORWARD):
+        with child_span(names.FORWARD):  # the model, to the logits of the rows that sample
             hidden = self.model.forward(
                 batch.input_ids, batch.positions, self.kv_caches, batch.meta
             )
+            logits = None
+            if batch.sample_rows:
+                rows = torch.tensor(batch.sample_rows, device=self.device)
+                logits = self.model.compute_logits(hidden[rows])
         with child_span(names.SAMPLE):
-            return self._sample(batch, hidden)
+            return self._sample(batch, hidden, logits)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _Batch | None:
         """Flatten the scheduled tokens of every request into one batch: decodes first, then
@@ -207,13 +211,13 @@ class ModelRunner:
             prompt_scoring=prompt_scoring,
         )
 
-    def _sample(self, batch: _Batch, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(
+        self, batch: _Batch, hidden: torch.Tensor, logits: torch.Tensor | None
+    ) -> ModelRunnerOutput:
         sampled: dict[str, list[int]] = {}
         lp_ids: dict[str, list[int]] = {}
         lps: dict[str, list[float]] = {}
-        if batch.sample_rows:
-            rows = torch.tensor(batch.sample_rows, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
+        if logits is not None:
             states = batch.sample_states
             out = self.sampler(
                 logits,

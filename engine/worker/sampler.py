@@ -2,10 +2,16 @@
 
 Rows with a `logit_bias` add it first, then rows with a penalty apply it, as vLLM V1 does
 (`vllm/v1/sample/ops/penalties.py`): repetition over prompt and output tokens, frequency and
-presence over output tokens. Greedy rows take the argmax. Random rows apply temperature, top-k
-and top-p, then draw with the exponential-race trick (argmax of p / Exp(1) noise), one noise row
-per request: a request with a seed draws its noise from its own generator, so it gets the same
-tokens whatever the batch.
+presence over output tokens. Greedy rows take the argmax. Random rows apply temperature, then
+top-k and top-p without sorting the vocabulary: a partial top-K of each row (K from 64, grown
+only for a row whose nucleus is wider) is enough to find every token top-k and top-p keep, as
+the sorted reference (`apply_top_k_top_p_sorted`) would (vLLM avoids the full sort too,
+`vllm/v1/sample/ops/topk_topp_sampler.py`). The draw:
+- a request with a seed draws Exp(1) noise over the whole vocabulary from its own generator and
+  takes the argmax of p / noise (the exponential race), so it gets the same tokens whatever the
+  batch, and the tokens the sorted reference gives;
+- the others share one uniform draw per step from the engine's generator, each row inverting
+  the cumulative distribution of its kept tokens.
 """
 
 from __future__ import annotations
@@ -27,19 +33,70 @@ class SamplerOutput:
     logprobs: dict[int, list[float]]
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
-    """Mask, in place, everything outside each row's top-k and top-p nucleus."""
+def apply_top_k_top_p_sorted(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> None:
+    """The reference semantics, by a full sort: mask, in place, everything outside each row's
+    top-k, then outside its top-p nucleus (over the top-k, renormalized): a token stays while
+    the mass strictly before it is below top_p; the top token always stays."""
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
     drop = ranks >= k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep a token while the mass strictly before it is below top_p (the top token always stays).
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
+    # top_p = 1 is off: a float32 sum can reach 1 before the tail, which must not be cut.
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     drop[:, 0] = False
     logits.scatter_(-1, sorted_idx, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+FIRST_CANDIDATES = 64  # a partial top-K this wide holds the nucleus of most rows of a real model
+GROWTH = 4  # K for the rows whose nucleus reaches past it: 64, 256, 1024, ...
+
+
+def top_k_top_p_candidates(
+    logits: torch.Tensor,  # [rows, vocab], temperature applied
+    top_k: torch.Tensor,  # [rows] int, 0: off
+    top_p: torch.Tensor,  # [rows] float, 1: off
+) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, K] logits (-inf where dropped), token ids
+    """The tokens top-k and top-p keep, as `apply_top_k_top_p_sorted` keeps them, from a partial
+    top-K of each row instead of a sort; a row whose nucleus reaches past K is looked at again
+    with a K `GROWTH` times wider (alone: the others keep their narrow K)."""
+    vocab = logits.shape[-1]
+    k_req = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    # top-p's mass is over the top-k tokens (renormalized), or over the whole vocabulary: the
+    # normalizer of the whole vocabulary only for the rows without top-k that use top-p.
+    full_lse = torch.zeros(logits.shape[0], device=logits.device)
+    whole = (top_k == 0) & (top_p < 1)
+    if bool(whole.any()):
+        full_lse[whole] = logits[whole].logsumexp(dim=-1)
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, values, ids
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    widest_k = int(k_req[top_k > 0].max()) if bool((top_k > 0).any()) else 0
+    k = min(vocab, max(FIRST_CANDIDATES, widest_k))
+    while rows.numel():
+        values, ids = logits[rows].topk(k, dim=-1)  # sorted, largest first
+        drop = torch.arange(k, device=logits.device)[None, :] >= k_req[rows, None]
+        masked = values.masked_fill(drop, float("-inf"))
+        lse = torch.where(top_k[rows] > 0, masked.logsumexp(dim=-1), full_lse[rows])
+        probs = (masked - lse[:, None]).exp()
+        mass = probs.cumsum(dim=-1)
+        # Done when the first token left out (rank k) would be dropped anyway.
+        done = (k_req[rows] <= k) | ((mass[:, -1] >= top_p[rows]) & (top_p[rows] < 1))
+        done |= k == vocab
+        drop |= ((mass - probs) >= top_p[rows, None]) & (top_p[rows, None] < 1)
+        drop[:, 0] = False
+        parts.append((rows[done], values[done].masked_fill(drop[done], float("-inf")), ids[done]))
+        rows, k = rows[~done], min(vocab, k * GROWTH)
+    width = max(v.shape[1] for _, v, _ in parts)
+    out_values = logits.new_full((logits.shape[0], width), float("-inf"))
+    out_ids = torch.zeros(logits.shape[0], width, dtype=torch.long, device=logits.device)
+    for r, v, i in parts:
+        out_values[r, : v.shape[1]] = v
+        out_ids[r, : i.shape[1]] = i
+    return out_values, out_ids
 
 
 def _apply_logit_bias(scores: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:
@@ -138,25 +195,17 @@ class Sampler:
             _apply_logit_bias(scores, params, bias_rows)
         if penalty_rows:
             _apply_penalties(scores, params, penalty_rows, all_token_ids, num_prompt_tokens)
-        token_ids = scores.argmax(dim=-1)
+        token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            token_ids[rows] = scores[rows].argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            sub = (
-                scores[rows]
-                / torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[
-                    :, None
-                ]
+            token_ids[rows] = self._sample_random(
+                scores[rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
             )
-            top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
-            top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
-            if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-                _apply_top_k_top_p(sub, top_k, top_p)
-            probs = sub.softmax(dim=-1)
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                noise[j].exponential_(generator=generators[i] or self.default_generator)
-            token_ids[rows] = (probs / noise).argmax(dim=-1)
         ids = token_ids.tolist()
         lp_ids: dict[int, list[int]] = {}
         lps: dict[int, list[float]] = {}
@@ -170,3 +219,51 @@ class Sampler:
                 lp_ids[i] = [ids[i]] + top_idx[j, :n].tolist()
                 lps[i] = [logprobs[j, ids[i]].item()] + top_vals[j, :n].tolist()
         return SamplerOutput(ids, lp_ids, lps)
+
+    def _sample_random(
+        self,
+        scores: torch.Tensor,  # [rows, vocab]
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:  # [rows] token ids
+        dev = scores.device
+        scores = scores / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+        out = torch.empty(len(params), dtype=torch.long, device=dev)
+        vocab = scores.shape[-1]
+        filtered = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
+        plain = [j for j, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1)]
+        if filtered:
+            rows = torch.tensor(filtered, device=dev)
+            top_k = torch.tensor([params[j].top_k for j in filtered], device=dev)
+            top_p = torch.tensor([params[j].top_p for j in filtered], device=dev)
+            values, ids = top_k_top_p_candidates(scores[rows], top_k, top_p)
+            out[rows] = self._draw(values, ids, [generators[j] for j in filtered], vocab)
+        if plain:  # temperature alone: every token is a candidate
+            rows = torch.tensor(plain, device=dev)
+            out[rows] = self._draw(scores[rows], None, [generators[j] for j in plain], vocab)
+        return out
+
+    def _draw(
+        self,
+        values: torch.Tensor,  # [rows, K] logits of the candidates, -inf where dropped
+        ids: torch.Tensor | None,  # [rows, K] their token ids; None: K is the vocabulary
+        generators: list[torch.Generator | None],
+        vocab: int,
+    ) -> torch.Tensor:  # [rows] token ids
+        dev = values.device
+        probs = values.softmax(dim=-1)
+        out = torch.empty(len(generators), dtype=torch.long, device=dev)
+        for j, g in enumerate(generators):  # the exponential race, over the whole vocabulary
+            if g is None:
+                continue
+            noise = torch.empty(vocab, device=dev).exponential_(generator=g)
+            race = probs[j] / (noise if ids is None else noise[ids[j]])
+            out[j] = race.argmax() if ids is None else ids[j, race.argmax()]
+        others = [j for j, g in enumerate(generators) if g is None]
+        if others:  # one uniform per row, one call for the batch
+            rest = torch.tensor(others, device=dev)
+            cdf = probs[rest].cumsum(dim=-1)
+            u = torch.rand(len(others), 1, generator=self.default_generator, device=dev)
+            pick = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=cdf.shape[-1] - 1)
+            out[rest] = pick[:, 0] if ids is None else ids[rest].gather(1, pick)[:, 0]
+        return out
