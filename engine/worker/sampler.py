@@ -6,12 +6,10 @@ presence over output tokens. Greedy rows take the argmax. Random rows apply temp
 top-k and top-p without sorting the vocabulary: a partial top-K of each row (K from 64, grown
 only for a row whose nucleus is wider) is enough to find every token top-k and top-p keep, as
 the sorted reference (`apply_top_k_top_p_sorted`) would (vLLM avoids the full sort too,
-`vllm/v1/sample/ops/topk_topp_sampler.py`). The draw:
-- a request with a seed draws Exp(1) noise over the whole vocabulary from its own generator and
-  takes the argmax of p / noise (the exponential race), so it gets the same tokens whatever the
-  batch, and the tokens the sorted reference gives;
-- the others share one uniform draw per step from the engine's generator, each row inverting
-  the cumulative distribution of its kept tokens.
+`vllm/v1/sample/ops/topk_topp_sampler.py`). The draw inverts each row's cumulative
+distribution over its kept tokens at one uniform: a request with a seed takes its uniform from
+its own generator, so it gets the same tokens whatever the batch; the other rows share one call
+of the engine's generator per step.
 """
 
 from __future__ import annotations
@@ -229,7 +227,6 @@ class Sampler:
         dev = scores.device
         scores = scores / torch.tensor([p.temperature for p in params], device=dev)[:, None]
         out = torch.empty(len(params), dtype=torch.long, device=dev)
-        vocab = scores.shape[-1]
         filtered = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
         plain = [j for j, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1)]
         if filtered:
@@ -237,10 +234,10 @@ class Sampler:
             top_k = torch.tensor([params[j].top_k for j in filtered], device=dev)
             top_p = torch.tensor([params[j].top_p for j in filtered], device=dev)
             values, ids = top_k_top_p_candidates(scores[rows], top_k, top_p)
-            out[rows] = self._draw(values, ids, [generators[j] for j in filtered], vocab)
+            out[rows] = self._draw(values, ids, [generators[j] for j in filtered])
         if plain:  # temperature alone: every token is a candidate
             rows = torch.tensor(plain, device=dev)
-            out[rows] = self._draw(scores[rows], None, [generators[j] for j in plain], vocab)
+            out[rows] = self._draw(scores[rows], None, [generators[j] for j in plain])
         return out
 
     def _draw(
@@ -248,22 +245,18 @@ class Sampler:
         values: torch.Tensor,  # [rows, K] logits of the candidates, -inf where dropped
         ids: torch.Tensor | None,  # [rows, K] their token ids; None: K is the vocabulary
         generators: list[torch.Generator | None],
-        vocab: int,
     ) -> torch.Tensor:  # [rows] token ids
+        """Invert each row's cumulative distribution at one uniform draw: from the request's own
+        generator where it has a seed (so its tokens depend on nothing else in the batch), else
+        from one call for all the other rows."""
         dev = values.device
-        probs = values.softmax(dim=-1)
-        out = torch.empty(len(generators), dtype=torch.long, device=dev)
-        for j, g in enumerate(generators):  # the exponential race, over the whole vocabulary
-            if g is None:
-                continue
-            noise = torch.empty(vocab, device=dev).exponential_(generator=g)
-            race = probs[j] / (noise if ids is None else noise[ids[j]])
-            out[j] = race.argmax() if ids is None else ids[j, race.argmax()]
+        cdf = values.softmax(dim=-1).cumsum(dim=-1)
+        u = torch.empty(len(generators), 1, device=dev)
         others = [j for j, g in enumerate(generators) if g is None]
-        if others:  # one uniform per row, one call for the batch
-            rest = torch.tensor(others, device=dev)
-            cdf = probs[rest].cumsum(dim=-1)
-            u = torch.rand(len(others), 1, generator=self.default_generator, device=dev)
-            pick = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=cdf.shape[-1] - 1)
-            out[rest] = pick[:, 0] if ids is None else ids[rest].gather(1, pick)[:, 0]
-        return out
+        if others:
+            u[others] = torch.rand(len(others), 1, generator=self.default_generator, device=dev)
+        for j, g in enumerate(generators):
+            if g is not None:
+                u[j] = torch.rand(1, generator=g, device=dev)
+        pick = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=cdf.shape[-1] - 1)
+        return pick[:, 0] if ids is None else ids.gather(1, pick)[:, 0]

@@ -1,6 +1,6 @@
 """The sampler's top-k / top-p without a sort: the same kept tokens as the sorted reference, the
-same distribution (chi-square), the same tokens for seeded rows as the sorted sampler drew them,
-and seeded rows that reproduce whatever else is in the batch."""
+same distribution as the sorted sampler (chi-square, unseeded and seeded draws), and seeded rows
+that get the same tokens whatever else is in the batch."""
 
 from __future__ import annotations
 
@@ -42,31 +42,36 @@ def test_candidates_keep_what_the_sorted_reference_keeps(spread):
     assert torch.equal(values[kept], logits.gather(1, ids)[kept])
 
 
-def _sorted_sampler_token(logits, params, generator) -> int:
-    """Yesterday's sampler for one seeded row: sort-based mask, exponential race."""
-    sub = (logits / params.temperature)[None].clone()
-    apply_top_k_top_p_sorted(sub, torch.tensor([params.top_k]), torch.tensor([params.top_p]))
-    probs = sub.softmax(dim=-1)[0]
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
-
-
-def test_seeded_rows_draw_the_sorted_samplers_tokens_whatever_the_batch():
-    sampler = Sampler(torch.device("cpu"), seed=0)
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7)
-    other = SamplingParams(temperature=1.0, top_p=0.95)
-    reference = torch.Generator().manual_seed(7)
-    ours = torch.Generator().manual_seed(7)
+def _seeded_run(seeded: SamplingParams, company: SamplingParams, width: int) -> list[int]:
+    """20 steps of one seeded request among `width - 1` others, at a different row each step."""
+    sampler = Sampler(torch.device("cpu"), seed=width)
+    gen = torch.Generator().manual_seed(seeded.seed)
+    tokens = []
     for step in range(20):
-        logits = _logits(4, seed=100 + step, spread=2.0)
-        # The seeded row sits at a different place, among different company, each step.
-        row = step % 4
-        params = [other] * 4
+        row = step % width
+        logits = _logits(width, seed=1000 * width + step, spread=2.0)
+        logits[row] = _logits(1, seed=100 + step, spread=2.0)[0]  # the seeded request's own
+        params = [company] * width
         params[row] = seeded
-        gens = [None] * 4
-        gens[row] = ours
-        out = sampler(logits, params, gens, [[1]] * 4, [1] * 4)
-        assert out.token_ids[row] == _sorted_sampler_token(logits[row], seeded, reference)
+        gens: list = [None] * width
+        gens[row] = gen
+        tokens.append(sampler(logits, params, gens, [[1]] * width, [1] * width).token_ids[row])
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "seeded",
+    [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7), SamplingParams(seed=11)],
+    ids=["top-k-top-p", "temperature"],
+)
+def test_a_seeded_request_gets_the_same_tokens_whatever_the_batch(seeded):
+    alone = _seeded_run(seeded, seeded, width=1)
+    # Among rows with other settings (so other candidate widths), at other rows, in batches of
+    # other sizes, under another engine seed.
+    for company in (SamplingParams(temperature=1.0, top_p=0.99), SamplingParams(top_k=3)):
+        for width in (3, 6):
+            assert _seeded_run(seeded, company, width) == alone
+    assert len(set(alone)) > 5  # it did sample
 
 
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -90,8 +95,10 @@ def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     ],
     ids=["temperature", "top-p", "top-k-top-p"],
 )
-def test_unseeded_draws_follow_the_sorted_distribution(params):
-    """20,000 draws over a 12-token vocabulary, 100 rows per step (one uniform draw for all)."""
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+def test_draws_follow_the_sorted_distribution(params, seeded):
+    """20,000 draws over a 12-token vocabulary, 100 rows per step (one uniform call for all, or
+    each row its own seeded generator)."""
     sampler = Sampler(torch.device("cpu"), seed=3)
     logits = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.3, 0.0, -0.2, -0.5, -1.0, -2.0, -3.0])
     want = (logits / params.temperature)[None].clone()
@@ -99,9 +106,10 @@ def test_unseeded_draws_follow_the_sorted_distribution(params):
     probs = want.softmax(dim=-1)[0]
     counts = torch.zeros(len(logits))
     rows = 100
-    for _ in range(200):
-        out = sampler(logits.repeat(rows, 1), [params] * rows, [None] * rows, [[1]] * rows,
-                      [1] * rows)  # fmt: skip
+    for step in range(200):
+        gens = [torch.Generator().manual_seed(step * rows + i) for i in range(rows)]
+        out = sampler(logits.repeat(rows, 1), [params] * rows, gens if seeded else [None] * rows,
+                      [[1]] * rows, [1] * rows)  # fmt: skip
         counts += torch.bincount(torch.tensor(out.token_ids), minlength=len(logits))
     assert counts[probs == 0].sum() == 0  # nothing outside top-k / top-p
     assert _chi_square_p(counts, probs) > 1e-3
