@@ -173,7 +173,10 @@ def load_weights(model_dir: Path) -> dict:
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{model_dir} holds no safetensors weights")
+        raise ValueError(
+            f"{model_dir} holds no weights: no model.safetensors, no "
+            "model.safetensors.index.json with its shards, no other *.safetensors file"
+        )
     weights: dict = {}
     for name in files:
         weights.update(load_file(str(model_dir / name)))
