@@ -250,13 +250,18 @@ class Sampler:
         generator where it has a seed (so its tokens depend on nothing else in the batch), else
         from one call for all the other rows."""
         dev = values.device
-        cdf = values.softmax(dim=-1).cumsum(dim=-1)
-        u = torch.empty(len(generators), 1, device=dev)
+        # In float64: a float32 sum over a whole vocabulary drifts by ~1e-5, the size of one
+        # token's share, so the last ulp of a logit (a batch of another size, a prefix-cache
+        # hit) could move a seeded request onto another token.
+        cdf = values.softmax(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+        u = torch.empty(len(generators), 1, dtype=torch.float64, device=dev)
         others = [j for j, g in enumerate(generators) if g is None]
         if others:
-            u[others] = torch.rand(len(others), 1, generator=self.default_generator, device=dev)
+            u[others] = torch.rand(
+                len(others), 1, generator=self.default_generator, dtype=torch.float64, device=dev
+            )
         for j, g in enumerate(generators):
             if g is not None:
-                u[j] = torch.rand(1, generator=g, device=dev)
+                u[j] = torch.rand(1, generator=g, dtype=torch.float64, device=dev)
         pick = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=cdf.shape[-1] - 1)
         return pick[:, 0] if ids is None else ids.gather(1, pick)[:, 0]
