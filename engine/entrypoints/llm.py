@@ -40,7 +40,6 @@ from stepscope.engine.messages import ProcessInfo
 from stepscope.engine.models.config import read_model_shape
 from stepscope.engine.models.loader import (
     DEFAULT_MODEL,
-    load_config,
     load_generation_config,
     load_tokenizer,
     resolve_model,
@@ -116,7 +115,7 @@ class LLM:
         )
         self.model_dir = resolve_model(model)
         # A checkpoint this engine cannot run is refused here, before any process starts.
-        read_model_shape(self.model_dir, self.config.tensor_parallel_size)
+        shape = read_model_shape(self.model_dir, self.config.tensor_parallel_size)
         self.trace_db = None if trace_db is None else Path(trace_db)
         self._trace_store = None
         self._collector = None
@@ -133,7 +132,7 @@ class LLM:
         self.processor = InputProcessor(
             self.tokenizer,
             self.client.max_model_len,
-            load_config(self.model_dir)["vocab_size"],
+            shape.vocab_size,
             load_generation_config(self.model_dir),
         )
         self.output_processor = OutputProcessor(

@@ -24,7 +24,6 @@ from stepscope.engine.messages import EngineCoreOutputs, ProcessInfo
 from stepscope.engine.models.config import read_model_shape
 from stepscope.engine.models.loader import (
     DEFAULT_MODEL,
-    load_config,
     load_generation_config,
     load_tokenizer,
     resolve_model,
@@ -51,7 +50,7 @@ class AsyncLLM:
         self.model_name = model
         self.model_dir = resolve_model(model)
         # A checkpoint this engine cannot run is refused here, before any process starts.
-        read_model_shape(self.model_dir, self.config.tensor_parallel_size)
+        shape = read_model_shape(self.model_dir, self.config.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.client = AsyncMPClient(
             self.config,
@@ -63,7 +62,7 @@ class AsyncLLM:
         self.processor = InputProcessor(
             self.tokenizer,
             self.client.max_model_len,
-            load_config(self.model_dir)["vocab_size"],
+            shape.vocab_size,
             load_generation_config(self.model_dir),
         )
         self.output_processor = OutputProcessor(
