@@ -175,18 +175,21 @@ def test_the_closing_counts_name_lost_spans_and_senders_that_never_reported(coll
         "os._exit(0)\n"
     )
     subprocess.run([sys.executable, "-c", killed, url], check=True, timeout=60)
-    # A sender whose queue overflows: 40 of its 50 spans never leave it, and it says so.
+    # A sender whose queue overflows: most of its 50 spans never leave it, and it says so. How
+    # many is up to the export thread (a full queue wakes it), so the check is that every span
+    # is either stored or counted lost, on both sides.
     setup.init_tracing(
         n.SERVICE_ENGINE_CORE, collector_endpoint=url, max_queue_size=10, schedule_delay_ms=60_000
     )
     for step in range(50):
         with sp.step_span(step=step):
             pass
-    assert setup.shutdown_tracing() == 40
+    dropped = setup.shutdown_tracing()
+    assert 0 < dropped <= 40
     summary = stop(process)
-    assert summary["spans"] == 11 and summary["processes"] == 2
-    assert summary["lost"] == 40
+    assert summary["spans"] == 1 + (50 - dropped) and summary["processes"] == 2
+    assert summary["lost"] == dropped
     ((who, lost),) = summary["lost_by"].items()
-    assert who.startswith(n.SERVICE_ENGINE_CORE) and lost == 40
+    assert who.startswith(n.SERVICE_ENGINE_CORE) and lost == dropped
     (silent,) = summary["silent"]
     assert silent.startswith(n.SERVICE_WORKER)
