@@ -2,11 +2,57 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The CPU flags that make bfloat16 matmul native rather than emulated.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str:
+    """The dtype a checkpoint's config.json names (`torch_dtype`, or `dtype` in newer files);
+    float32 where it names none, as transformers assumes."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return str(name).removeprefix("torch.")
+
+
+def auto_dtype(
+    checkpoint: str, device: str, flags: frozenset[str] | None = None
+) -> tuple[str, str]:
+    """vLLM's dtype="auto": the checkpoint's dtype where the device runs it natively, float32
+    otherwise. Returns (dtype, why), the why for the start-up log and /v1/models."""
+    if checkpoint not in DTYPES:
+        return "float32", f"auto: the checkpoint's dtype {checkpoint!r} is not one stepscope runs"
+    if checkpoint == "float32":
+        # vLLM would cast a float32 checkpoint down to 16 bits on a GPU; here it stays exact.
+        return "float32", "auto: the checkpoint is float32"
+    if device.startswith("cuda"):
+        if checkpoint == "bfloat16" and not torch.cuda.is_bf16_supported():
+            return "float16", "auto: the checkpoint is bfloat16, which this GPU does not run"
+        return checkpoint, f"auto: the checkpoint is {checkpoint} and this GPU runs it"
+    have = [f for f in NATIVE_BF16_FLAGS if f in (cpu_flags() if flags is None else flags)]
+    if not have:
+        return "float32", (
+            f"auto: the checkpoint is {checkpoint}, but this CPU has neither "
+            f"{' nor '.join(NATIVE_BF16_FLAGS)}, so 16-bit matmul would be emulated"
+        )
+    # A CPU runs float16 by converting it; bfloat16 is its native 16-bit type (as in vLLM).
+    return "bfloat16", f"auto: the checkpoint is {checkpoint} and this CPU has {' and '.join(have)}"
 
 
 def device_tier_defaults(device: str, offline: bool) -> tuple[int, int]:
@@ -34,7 +80,10 @@ def device_tier_defaults(device: str, offline: bool) -> tuple[int, int]:
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
     device: str = "cpu"
-    dtype: str = "float32"
+    # "auto": the checkpoint's dtype where this device runs it natively (see `auto_dtype`),
+    # resolved by `resolve_dtype` once the checkpoint is known.
+    dtype: str = "auto"
+    dtype_reason: str = ""
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float | None = None
@@ -72,8 +121,8 @@ class EngineConfig:
     trace_content: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -176,6 +225,17 @@ class EngineConfig:
         processes = self.local_data_parallel_size * self.tensor_parallel_size_local
         return max(1, len(os.sched_getaffinity(0)) // processes)
 
+    def resolve_dtype(self, model_dir: str | Path) -> None:
+        """Turn dtype="auto" into this machine's choice for the checkpoint, and say why."""
+        if self.dtype == "auto":
+            self.dtype, self.dtype_reason = auto_dtype(checkpoint_dtype(model_dir), self.device)
+        elif not self.dtype_reason:
+            self.dtype_reason = "asked for"
+
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise RuntimeError(
+                "dtype 'auto' is resolved against the checkpoint first (resolve_dtype)"
+            )
         return DTYPES[self.dtype]

@@ -220,9 +220,10 @@ NATIVE_FRACTION = 0.25
 
 def cpu_matmul_features() -> str:
     """The CPU flags that decide whether bfloat16 matmul is native (Linux only; else empty)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n")[0].split())
-    except (OSError, IndexError):
+    from stepscope.engine.config import cpu_flags
+
+    flags = cpu_flags()
+    if not flags:
         return ""
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
     return " ".join(f"{f}{'+' if f in flags else '-'}" for f in wanted)

@@ -161,6 +161,8 @@ def build_app(
                     "created": now(),
                     "owned_by": "stepscope",
                     "max_model_len": s.engine.max_model_len,
+                    "dtype": s.engine.config.dtype,
+                    "dtype_reason": s.engine.config.dtype_reason,
                 }
             ],
         }

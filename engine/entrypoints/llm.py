@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import os
 import signal
 import sys
@@ -64,6 +65,8 @@ from stepscope.traces.setup import (
 
 Conversation = list[dict[str, str]]
 
+logger = logging.getLogger(__name__)
+
 
 class LLM:
     """Offline inference: in this process (`executor="uni"`) or across processes (`"mp"`)."""
@@ -72,7 +75,7 @@ class LLM:
         self,
         model: str = DEFAULT_MODEL,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int | None = None,
@@ -116,6 +119,8 @@ class LLM:
         self.model_dir = resolve_model(model)
         # A checkpoint this engine cannot run is refused here, before any process starts.
         shape = read_model_shape(self.model_dir, self.config.tensor_parallel_size)
+        self.config.resolve_dtype(self.model_dir)
+        logger.info("dtype %s (%s)", self.config.dtype, self.config.dtype_reason)
         self.trace_db = None if trace_db is None else Path(trace_db)
         self._trace_store = None
         self._collector = None

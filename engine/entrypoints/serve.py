@@ -71,8 +71,13 @@ def serve(args: argparse.Namespace) -> None:
     from stepscope.engine.models.config import read_model_shape
     from stepscope.engine.models.loader import resolve_model
 
-    EngineConfig(model=args.model, offline=False, **engine_args)
-    read_model_shape(resolve_model(args.model), args.tp)  # a checkpoint it cannot run: refused
+    config = EngineConfig(model=args.model, offline=False, **engine_args)
+    model_dir = resolve_model(args.model)
+    read_model_shape(model_dir, args.tp)  # a checkpoint it cannot run: refused
+    # dtype="auto" is decided once, here, so that every process runs the same dtype.
+    config.resolve_dtype(model_dir)
+    engine_args.update(dtype=config.dtype, dtype_reason=config.dtype_reason)
+    print(f"stepscope: dtype {config.dtype} ({config.dtype_reason})", flush=True)
     launcher.check_scale_out_args(args)
     if args.headless:
         launcher.run_headless(args, engine_args)

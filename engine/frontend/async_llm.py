@@ -51,6 +51,7 @@ class AsyncLLM:
         self.model_dir = resolve_model(model)
         # A checkpoint this engine cannot run is refused here, before any process starts.
         shape = read_model_shape(self.model_dir, self.config.tensor_parallel_size)
+        self.config.resolve_dtype(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.client = AsyncMPClient(
             self.config,

@@ -52,6 +52,8 @@ def resolve_model(model: str) -> Path:
         target = cache_dir() / "models" / model
         if not (target / "model.safetensors").exists():
             _build_once(model, target)
+        elif model == DEFAULT_MODEL:
+            _record_published_dtype(target)  # caches built before dtype="auto" said float32
         return target
     path = Path(model).expanduser()
     if (path / "config.json").exists():
@@ -131,7 +133,25 @@ def _convert_smollm2(out: Path) -> None:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     _save_model(model, out)
+    _record_published_dtype(out)
     _save_tokenizer_from_gguf(out)
+
+
+# SmolLM2 was published in bfloat16. Its weights are cached in float32 (the GGUF's dequantized
+# values, exactly), but config.json names the published dtype, which is what dtype="auto" reads.
+SMOLLM2_PUBLISHED_DTYPE = "bfloat16"
+
+
+def _record_published_dtype(model_dir: Path) -> None:
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("dtype") == SMOLLM2_PUBLISHED_DTYPE and "torch_dtype" not in cfg:
+        return
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = SMOLLM2_PUBLISHED_DTYPE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    tmp.replace(path)  # atomic: a process reading it concurrently sees the old or the new file
 
 
 def _make_tiny_llama(out: Path) -> None:

@@ -69,6 +69,7 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        config.resolve_dtype(model_dir)  # a no-op where the front end resolved "auto" already
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.shape = read_model_shape(model_dir)

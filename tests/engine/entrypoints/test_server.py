@@ -50,6 +50,11 @@ def greedy(**kw) -> dict:
 def test_models_lists_the_served_model(client) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    # tiny-llama's checkpoint is float32, so dtype="auto" (serve's default) keeps float32.
+    assert (models[0].dtype, models[0].dtype_reason) == (
+        "float32",
+        "auto: the checkpoint is float32",
+    )
 
 
 def test_completion_returns_text_usage_and_finish_reason(client) -> None:
