@@ -2,7 +2,8 @@
 127.0.0.1 stand in for two machines).
 
 - `--api-server-count`: API servers share one port, every one reaches every engine core.
-- Process counts by pid: TP=2, DP=4, A=4 with executor="mp" is vLLM's 17.
+- Process counts by pid: TP=2, DP=4, A=4 with executor="mp" serves with vLLM's 17 processes
+  (A + DP + N + 1); vLLM's launching process, the 18th, stays alive to watch them, as ours does.
 - Head + headless: requests served on both ranks, every span in the head's DuckDB file, the
   headless tree's death seen within 5 s, nothing left running on either side.
 - A headless machine that never registers fails the head's start-up with a clear message."""
@@ -83,13 +84,13 @@ def test_two_api_servers_share_the_port_and_reach_both_ranks(tmp_path) -> None:
     assert set(servers) <= {0, 1} and servers  # the spans say which API server served
 
 
-def test_tp2_dp4_with_four_api_servers_is_vllms_17_processes() -> None:
+def test_tp2_dp4_with_four_api_servers_serves_with_17_processes() -> None:
     server = Server(*SMALL, "--tp", "2", "--dp", "4", "--api-server-count", "4", "--no-trace",
                     timeout=300)  # fmt: skip
     try:
         procs = _processes(server.url)
         serving = [p for p in procs if p["role"] in SERVING_ROLES]
-        # A + DP + N + 1 = 4 + 4 + 8 + 1, each its own live process.
+        # A + DP + N + 1 = 4 + 4 + 8 + 1 serving processes (the launcher, the 18th, is not one).
         assert len({p["pid"] for p in serving}) == 17
         assert all(pid_alive(p["pid"]) for p in serving)
         workers = sorted((p["dp_rank"], p["rank"]) for p in serving if p["role"] == "worker")
