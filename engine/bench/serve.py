@@ -39,7 +39,7 @@ class RequestResult:
     output_tokens: int = 0
     ttft_s: float = 0.0
     e2el_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)  # gaps between streamed chunks
+    itl_s: list[float] = field(default_factory=list)  # gaps between chunks carrying text
 
 
 @dataclass(slots=True)
@@ -240,7 +240,9 @@ async def stream_completion(
                 if "error" in event:
                     res.error = f"stream error: {event['error'].get('message', event['error'])}"
                     return res
-                if event.get("choices"):
+                # A chunk counts once it carries generated text: some servers (llama.cpp) send
+                # one before the first token, which would make every TTFT look instant.
+                if any(choice.get("text") for choice in event.get("choices") or ()):
                     chunk_times.append(time.perf_counter())
                 if event.get("usage"):
                     usage_tokens = event["usage"]["completion_tokens"]
@@ -386,7 +388,13 @@ def bench_serve(args: argparse.Namespace) -> None:
                 return await served_model(client)
 
         model = args.model or asyncio.run(name())
-    vocab_size = load_config(resolve_model(model))["vocab_size"]
+    try:
+        vocab_size = load_config(resolve_model(args.tokenizer or model))["vocab_size"]
+    except ValueError as e:
+        raise ValueError(
+            f"{e}; the prompts are token ids drawn from a vocabulary: name it with --tokenizer "
+            "(a stepscope model or a local checkpoint folder)"
+        ) from None
     workload = make_workload(
         args.num_requests,
         (args.min_prompt, args.max_prompt),

@@ -351,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-rate", type=float, default=None, help="open loop: Poisson arrivals, req/s"
     )
     p.add_argument("--model", default=None, help="default: the model the server lists")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the stepscope model or checkpoint folder whose vocabulary the prompt ids come "
+        "from (default: --model); for a server that names its model otherwise, e.g. llama.cpp",
+    )
     p.add_argument("--api-key", default=None)
     _add_workload_args(p)
     p.add_argument(
@@ -383,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt", type=int, default=200, help="longest prompt, tokens")
     p.add_argument("--max-output", type=int, default=48, help="longest stream output, tokens")
     p.add_argument("--model", default=None, help="default: the model the server lists")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the stepscope model or checkpoint folder whose vocabulary the prompt ids come "
+        "from (default: --model); for a server that names its model otherwise, e.g. llama.cpp",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_bench_soak)

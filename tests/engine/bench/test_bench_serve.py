@@ -143,3 +143,32 @@ def test_no_trace_refuses_trace_options() -> None:
            "--no-trace", "--trace-db", "x.duckdb"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--no-trace records nothing" in out.stderr, out.stderr
+
+
+def test_ttft_counts_from_the_first_chunk_that_carries_text() -> None:
+    """A server that streams an empty chunk at once and the first token 0.3 s later (as
+    llama.cpp's does) has a TTFT of 0.3 s, not of its empty chunk."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from stepscope.engine.bench.serve import stream_completion
+
+    async def body():
+        for text, delay in (("", 0.0), ("Hi", 0.3), (" there", 0.05)):
+            await asyncio.sleep(delay)
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': text}]})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    async def run():
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            return await stream_completion(client, "m", 0, [1, 2, 3], 2)
+
+    res = asyncio.run(run())
+    assert res.success and res.output_tokens == 2
+    assert res.ttft_s >= 0.3 and len(res.itl_s) == 1
