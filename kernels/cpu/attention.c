@@ -130,19 +130,27 @@ static inline ALWAYS_INLINE void scores_16_d64(const float *keys, int64_t key_st
     }
 }
 
+/* 16 elements as float32: bfloat16 widened in registers (its bits are a float's top half). */
+static inline ALWAYS_INLINE __m512 load_16(int bf16, const void *p, int64_t i) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* Pass 2 for `heads` query heads of one KV head (1 to 4, a constant at each call, so that the
  * loops over heads unroll): each value row is read once for all of them, and the heads * 4
- * sums are independent chains held in registers. */
-static inline ALWAYS_INLINE void values_heads_d64(const float *vb, int64_t n, int64_t key_stride,
-                                                  const float *p, int64_t max_len, float *acc,
-                                                  int heads) {
+ * sums are independent chains held in registers. vb holds float32, or bfloat16 values read
+ * straight from the cache (bf16). */
+static inline ALWAYS_INLINE void values_heads_d64(int bf16, const void *vb, int64_t n,
+                                                  int64_t key_stride, const float *p,
+                                                  int64_t max_len, float *acc, int heads) {
     __m512 a[4][4];
     for (int i = 0; i < heads; i++)
         for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + i * 64 + c * 16);
     for (int64_t t = 0; t < n; t++) {
-        const float *v = vb + t * key_stride;
-        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-        const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+        const int64_t v = t * key_stride;
+        const __m512 v0 = load_16(bf16, vb, v), v1 = load_16(bf16, vb, v + 16);
+        const __m512 v2 = load_16(bf16, vb, v + 32), v3 = load_16(bf16, vb, v + 48);
         for (int i = 0; i < heads; i++) {
             const __m512 w = _mm512_set1_ps(p[i * max_len + t]);
             a[i][0] = _mm512_fmadd_ps(w, v0, a[i][0]);
@@ -157,36 +165,80 @@ static inline ALWAYS_INLINE void values_heads_d64(const float *vb, int64_t n, in
 
 /* Pass 2 over one block: for each KV head, its query heads four (or fewer) at a time. p is
  * the probabilities at the block's first key, acc the [num_heads][64] sums. */
-static inline ALWAYS_INLINE void values_block_d64(const float *block, int64_t n,
+static inline ALWAYS_INLINE void values_block_d64(int bf16, const void *block, int64_t n,
                                                   int64_t key_stride, int64_t num_kv_heads,
                                                   int64_t group, const float *p,
                                                   int64_t max_len, float *acc) {
+    const int64_t size = bf16 ? 2 : 4;
     for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
-        const float *vb = block + kv_head * 64;
+        const void *vb = (const char *)block + kv_head * 64 * size;
         for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += 4) {
             const int64_t left = (kv_head + 1) * group - h;
             const float *ph = p + h * max_len;
             float *ah = acc + h * 64;
-            if (left >= 4) values_heads_d64(vb, n, key_stride, ph, max_len, ah, 4);
-            else if (left == 3) values_heads_d64(vb, n, key_stride, ph, max_len, ah, 3);
-            else if (left == 2) values_heads_d64(vb, n, key_stride, ph, max_len, ah, 2);
-            else values_heads_d64(vb, n, key_stride, ph, max_len, ah, 1);
+            if (left >= 4) values_heads_d64(bf16, vb, n, key_stride, ph, max_len, ah, 4);
+            else if (left == 3) values_heads_d64(bf16, vb, n, key_stride, ph, max_len, ah, 3);
+            else if (left == 2) values_heads_d64(bf16, vb, n, key_stride, ph, max_len, ah, 2);
+            else values_heads_d64(bf16, vb, n, key_stride, ph, max_len, ah, 1);
+        }
+    }
+}
+
+/* Pass 1 for bfloat16, 16 keys, with the CPU's bfloat16 dot product (vdpbf16ps: pairs of
+ * bfloat16 multiplied and summed into float32 lanes), the keys and the query read as they lie
+ * in bfloat16: no widening, half the multiply-adds of the float32 routine above. */
+#if defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
+static inline ALWAYS_INLINE void scores_16_d64_bf16(const uint16_t *keys, int64_t key_stride,
+                                                    int64_t num_kv_heads, int64_t group,
+                                                    const uint16_t *q, float *scores,
+                                                    int64_t max_len, float scale) {
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {
+        const uint16_t *kb = keys + kv_head * 64;
+        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h++) {
+            const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q + h * 64);
+            const __m512bh q1 = (__m512bh)_mm512_loadu_si512(q + h * 64 + 32);
+            __m512 r[16];
+            for (int t = 0; t < 16; t++) {
+                const uint16_t *k = kb + t * key_stride;
+                const __m512 s =
+                    _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(k));
+                r[t] = _mm512_dpbf16_ps(s, q1, (__m512bh)_mm512_loadu_si512(k + 32));
+            }
+            const __m512 sums = sum_lanes_16(r);
+            _mm512_storeu_ps(scores + h * max_len, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
         }
     }
 }
 #else
+#define HAVE_AVX512_BF16 0
+static inline void scores_16_d64_bf16(const uint16_t *keys, int64_t key_stride,
+                                      int64_t num_kv_heads, int64_t group, const uint16_t *q,
+                                      float *scores, int64_t max_len, float scale) {
+    (void)keys, (void)key_stride, (void)num_kv_heads, (void)group, (void)q, (void)scores,
+        (void)max_len, (void)scale;
+}
+#endif
+#else
 #define HAVE_AVX512 0
+#define HAVE_AVX512_BF16 0
 static inline void scores_16_d64(const float *keys, int64_t key_stride, int64_t num_kv_heads,
                                  int64_t group, const float *qs, float *scores, int64_t max_len,
                                  float scale) {
     (void)keys, (void)key_stride, (void)num_kv_heads, (void)group, (void)qs, (void)scores,
         (void)max_len, (void)scale;
 }
-static inline void values_block_d64(const float *block, int64_t n, int64_t key_stride,
+static inline void values_block_d64(int bf16, const void *block, int64_t n, int64_t key_stride,
                                     int64_t num_kv_heads, int64_t group, const float *p,
                                     int64_t max_len, float *acc) {
-    (void)block, (void)n, (void)key_stride, (void)num_kv_heads, (void)group, (void)p,
+    (void)bf16, (void)block, (void)n, (void)key_stride, (void)num_kv_heads, (void)group, (void)p,
         (void)max_len, (void)acc;
+}
+static inline void scores_16_d64_bf16(const uint16_t *keys, int64_t key_stride,
+                                      int64_t num_kv_heads, int64_t group, const uint16_t *q,
+                                      float *scores, int64_t max_len, float scale) {
+    (void)keys, (void)key_stride, (void)num_kv_heads, (void)group, (void)q, (void)scores,
+        (void)max_len, (void)scale;
 }
 #endif
 
@@ -202,18 +254,26 @@ static inline ALWAYS_INLINE void store_as(enum dtype dt, void *p, int64_t i, flo
     else store_f32((float *)p + i, f);
 }
 
-/* The block of `table` holding token `start` of `cache`, its first n keys as float32: the block
- * itself for float32, else widened once into `wide` (each key and value serves every query
- * head of its group), with the next block, if the context has one, asked for ahead. */
-static inline ALWAYS_INLINE const float *block_at(enum dtype dt, const void *cache,
-                                                  const int32_t *table, int64_t start, int64_t n,
-                                                  int64_t len, int64_t block_size,
-                                                  int64_t key_stride, float *wide) {
+/* The block of `table` holding token `start` of `cache`, where it lies in the pool, with the
+ * next block, if the context has one, asked for ahead. */
+static inline ALWAYS_INLINE const void *block_in_pool(enum dtype dt, const void *cache,
+                                                      const int32_t *table, int64_t start,
+                                                      int64_t len, int64_t block_size,
+                                                      int64_t key_stride) {
     const int64_t bytes = block_size * key_stride * (dt == BF16 ? 2 : 4);
     const char *pool = (const char *)cache;
     if (start + block_size < len)
         prefetch_block(pool + (int64_t)table[start / block_size + 1] * bytes, bytes);
-    const char *block = pool + (int64_t)table[start / block_size] * bytes;
+    return pool + (int64_t)table[start / block_size] * bytes;
+}
+
+/* That block's first n keys as float32: the block itself for float32, else widened once into
+ * `wide` (each key and value serves every query head of its group). */
+static inline ALWAYS_INLINE const float *block_at(enum dtype dt, const void *cache,
+                                                  const int32_t *table, int64_t start, int64_t n,
+                                                  int64_t len, int64_t block_size,
+                                                  int64_t key_stride, float *wide) {
+    const void *block = block_in_pool(dt, cache, table, start, len, block_size, key_stride);
     return dt == BF16 ? widen_bf16((const uint16_t *)block, n * key_stride, wide)
                       : widen_f32((const float *)block, n * key_stride, wide);
 }
@@ -276,7 +336,7 @@ static inline ALWAYS_INLINE void values_block(const float *block, int64_t n, int
                                               const float *p, int64_t max_len, float *acc,
                                               int64_t hd) {
     if (HAVE_AVX512 && hd == 64) {
-        values_block_d64(block, n, key_stride, num_kv_heads, group, p, max_len, acc);
+        values_block_d64(0, block, n, key_stride, num_kv_heads, group, p, max_len, acc);
         return;
     }
     for (int64_t h = 0; h < num_kv_heads * group; h++) {
@@ -338,14 +398,30 @@ static inline ALWAYS_INLINE void attend(const struct decode *a, enum dtype dt, i
         }
         for (int64_t start = 0; start < len; start += block_size) {
             const int64_t n = len - start < block_size ? len - start : block_size;
-            const float *block =
-                block_at(dt, a->k_cache, table, start, n, len, block_size, key_stride, wide);
-            scores_block(block, n, key_stride, num_kv_heads, group, qs, scores + start, max_len,
-                         scale, hd);
+            int64_t t0 = 0; /* keys scored by bfloat16 dot products, 16 at a time */
+            if (dt == BF16 && hd == 64 && HAVE_AVX512_BF16) {
+                const uint16_t *keys = (const uint16_t *)block_in_pool(
+                    dt, a->k_cache, table, start, len, block_size, key_stride);
+                const uint16_t *q = (const uint16_t *)a->q + seq * num_heads * hd;
+                for (; t0 + 16 <= n; t0 += 16)
+                    scores_16_d64_bf16(keys + t0 * key_stride, key_stride, num_kv_heads, group,
+                                       q, scores + start + t0, max_len, scale);
+            }
+            if (t0 == n) continue;
+            const float *block = block_at(dt, a->k_cache, table, start, n, len, block_size,
+                                          key_stride, wide); /* the rest, as float32 */
+            scores_block(block + t0 * key_stride, n - t0, key_stride, num_kv_heads, group, qs,
+                         scores + start + t0, max_len, scale, hd);
         }
         for (int64_t h = 0; h < num_heads; h++) softmax_row(scores + h * max_len, len);
         for (int64_t start = 0; start < len; start += block_size) {
             const int64_t n = len - start < block_size ? len - start : block_size;
+            if (dt == BF16 && HAVE_AVX512 && hd == 64) { /* values widened in registers */
+                values_block_d64(1, block_in_pool(dt, a->v_cache, table, start, len, block_size,
+                                                  key_stride),
+                                 n, key_stride, num_kv_heads, group, scores + start, max_len, acc);
+                continue;
+            }
             const float *block =
                 block_at(dt, a->v_cache, table, start, n, len, block_size, key_stride, wide);
             values_block(block, n, key_stride, num_kv_heads, group, scores + start, max_len, acc,
@@ -403,4 +479,9 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint
         .block_size = block_size, .scale = scale, .out = out, .scratch = scratch,
         .max_len = max_len, .num_threads = num_threads};
     return decode_attention(&a, BF16);
+}
+
+int decode_attention_paths(int64_t *paths) {
+    *paths = (HAVE_AVX512 ? 1 : 0) | (HAVE_AVX512_BF16 ? 2 : 0);
+    return 0;
 }

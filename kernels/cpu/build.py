@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,14 +184,15 @@ def build() -> Path:
     return target
 
 
-def compile_library(sources: Path, out_dir: Path) -> Path:
+def compile_library(sources: Path, out_dir: Path, extra_flags: Sequence[str] = ()) -> Path:
     """Compile the kernel sources in `sources` (this folder, or a test's altered copy of it) and
-    link them into a shared library in `out_dir`; its path."""
+    link them into a shared library in `out_dir`; its path. `extra_flags` follow the others
+    (a test's `-mno-avx512f` builds the portable loops on a CPU that has AVX-512)."""
     cc = _compiler()
     objects = []
     for name, flags in SOURCES.items():
         obj = out_dir / (name + ".o")
-        _run([cc, *COMMON, *flags, "-c", str(sources / name), "-o", str(obj)], name)
+        _run([cc, *COMMON, *flags, *extra_flags, "-c", str(sources / name), "-o", str(obj)], name)
         objects.append(str(obj))
     lib = out_dir / "lib.so"
     # --no-undefined: a missing symbol fails here, with the compiler's message, not at load.
@@ -211,21 +212,25 @@ def load() -> dict[str, Kernel]:
     global _kernels
     with _lock:
         if _kernels is None:
-            path = build()
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as e:
-                raise KernelBuildError(f"loading {path} failed: {e}") from e
-            kernels = {}
-            for name, signature in signatures((HERE / "kernels.h").read_text()).items():
-                fn = getattr(lib, name, None)
-                if fn is None:
-                    raise KernelBuildError(f"{path} has no {name}, which kernels.h declares")
-                fn.argtypes, fn.restype = signature.argtypes, signature.restype
-                call = _by_name(name, fn, signature.params)
-                kernels[name] = Kernel(fn, signature.params, call)
-            _kernels = kernels
+            _kernels = load_library(build())
         return _kernels
+
+
+def load_library(path: Path) -> dict[str, Kernel]:
+    """The kernels of the shared library at `path` (this build's, or a test's other build)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"loading {path} failed: {e}") from e
+    kernels = {}
+    for name, signature in signatures((HERE / "kernels.h").read_text()).items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            raise KernelBuildError(f"{path} has no {name}, which kernels.h declares")
+        fn.argtypes, fn.restype = signature.argtypes, signature.restype
+        call = _by_name(name, fn, signature.params)
+        kernels[name] = Kernel(fn, signature.params, call)
+    return kernels
 
 
 def available() -> str | None:

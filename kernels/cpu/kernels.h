@@ -11,6 +11,9 @@
 #include <stdint.h>
 
 /* attention.c */
+/* Writes which of decode attention's CPU-specific routines this build compiled into *paths:
+ * 1, the AVX-512 block routines (head_dim 64); 2, bfloat16 dot products (AVX512-BF16). */
+int decode_attention_paths(int64_t *paths);
 int decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,

@@ -9,6 +9,7 @@ pointers on torch's threads, and returns torch tensors; float32 and bfloat16 onl
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -18,11 +19,22 @@ from stepscope.kernels.cpu.build import load
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _kernel(name: str, dtype: torch.dtype) -> Callable[..., int]:
+def _kernel(name: str, dtype: torch.dtype, library: dict | None = None) -> Callable[..., int]:
     """The kernel for this dtype, called with its arguments named as in kernels.h."""
     if dtype not in _SUFFIX:
         raise TypeError(f"the CPU kernels take float32 or bfloat16, got {dtype}")
-    return load()[f"{name}_{_SUFFIX[dtype]}"].call
+    return (library or load())[f"{name}_{_SUFFIX[dtype]}"].call
+
+
+ATTENTION_PATHS = {1: "avx512", 2: "avx512_bf16"}
+
+
+def decode_attention_paths(library: dict | None = None) -> set[str]:
+    """The CPU-specific routines decode attention was compiled with: "avx512" (the block
+    routines for head_dim 64), "avx512_bf16" (bfloat16 dot products); none: portable loops."""
+    paths = ctypes.c_int64()
+    (library or load())["decode_attention_paths"].call(paths=ctypes.addressof(paths))
+    return {name for bit, name in ATTENTION_PATHS.items() if paths.value & bit}
 
 
 def _check(*tensors: torch.Tensor, dtype: torch.dtype | None = None) -> None:
@@ -43,10 +55,11 @@ def decode_attention(
     scale: float,
     max_len: int | None = None,
     out: torch.Tensor | None = None,
+    library: dict | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one query per request over its context, read through its block table
     (the query's own key and value are already in the cache). `max_len` bounds seq_lens
-    (default: their maximum)."""
+    (default: their maximum). `library`: another build's kernels (build.load_library)."""
     _check(q, k_cache, v_cache, dtype=q.dtype)
     _check(block_tables, seq_lens, dtype=torch.int32)
     num_seqs, num_heads, head_dim = q.shape
@@ -67,7 +80,7 @@ def decode_attention(
     elif out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError("out must be shaped and typed like q")
     _check(out)
-    status = _kernel("decode_attention", q.dtype)(
+    status = _kernel("decode_attention", q.dtype, library)(
         q=q.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
         block_tables=block_tables.data_ptr(), bt_stride=block_tables.stride(0),
         seq_lens=seq_lens.data_ptr(), num_seqs=num_seqs, num_heads=num_heads,

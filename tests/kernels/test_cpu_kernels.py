@@ -74,6 +74,30 @@ def test_decode_attention_matches_the_reference(
     torch.testing.assert_close(got[0].float(), one, atol=1e-6, rtol=0)
 
 
+def test_decode_attention_uses_this_cpus_vector_units():
+    from stepscope.engine.config import cpu_flags
+
+    flags = cpu_flags()
+    expected = {"avx512"} if "avx512f" in flags else set()
+    if "avx512_bf16" in flags:
+        expected.add("avx512_bf16")  # bfloat16 scores by vdpbf16ps, straight from the cache
+    assert ops.decode_attention_paths() == expected
+
+
+def test_portable_build_gives_the_same_bf16_attention(tmp_path):
+    """The loops a CPU without AVX-512 runs, built here with it switched off: bfloat16 widened
+    to float32 in memory; against the reference, and close to this CPU's own build."""
+    portable = build.load_library(build.compile_library(build.HERE, tmp_path, ["-mno-avx512f"]))
+    assert ops.decode_attention_paths(portable) == set()
+    k_cache, v_cache, table, seq_lens = _paged_context(torch.bfloat16, [5, 16, 40, 333])
+    q = torch.randn(4, 9, 64).to(torch.bfloat16)
+    got = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125, library=portable)
+    want = ops.decode_attention_reference(q, k_cache, v_cache, table, seq_lens, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=8e-3, rtol=2e-2)
+    native = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125)
+    torch.testing.assert_close(native.float(), got.float(), atol=8e-3, rtol=2e-2)
+
+
 def test_decode_attention_fills_out_and_refuses_a_context_beyond_max_len():
     k_cache, v_cache, table, seq_lens = _paged_context(torch.float32, [40, 20])
     q = torch.randn(2, 9, 64)
@@ -167,7 +191,8 @@ def _definitions(sources: Path) -> dict[str, build.Signature]:
 def test_the_ctypes_signatures_are_kernels_h_argument_by_argument():
     signatures = build.signatures(HEADER)
     kinds = ("decode_attention", "rms_norm", "rotary")
-    assert sorted(signatures) == sorted(f"{k}_{s}" for k in kinds for s in ("f32", "bf16"))
+    per_dtype = [f"{k}_{s}" for k in kinds for s in ("f32", "bf16")]
+    assert sorted(signatures) == sorted([*per_dtype, "decode_attention_paths"])
     attention = signatures["decode_attention_f32"]
     assert attention.params[10:13] == ("block_size", "scale", "out")
     assert attention.argtypes[10:13] == (ctypes.c_int64, ctypes.c_float, ctypes.c_void_p)
