@@ -89,13 +89,16 @@ def run_bench_serve(
     api_key: str | None = None,
     model: str | None = None,
     seed: int = 0,
+    reset_prefix_cache: bool = False,
 ) -> BenchResult:
     """Replay `workload` against the server at `url` (e.g. http://127.0.0.1:8000).
 
     `concurrency`: that many clients, each sending its next request when the last one ends.
     `request_rate`: Poisson arrivals at that many requests/s, seeded by `seed`. Neither: every
-    request at once. `model` defaults to the first model the server lists. Safe to call from a
-    notebook, whose event loop is already running.
+    request at once. `model` defaults to the first model the server lists. `reset_prefix_cache`:
+    empty the server's prefix cache first (after the warm-up request), so that a workload
+    replayed against the same server does the same work again. Safe to call from a notebook,
+    whose event loop is already running.
     """
     if concurrency is not None and request_rate is not None:
         raise ValueError("give either concurrency or request_rate, not both")
@@ -106,7 +109,9 @@ def run_bench_serve(
     if concurrency is None and request_rate is None:
         concurrency = len(workload.prompts)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    coro = _replay(url, headers, workload, concurrency, request_rate, model, seed)
+    coro = _replay(
+        url, headers, workload, concurrency, request_rate, model, seed, reset_prefix_cache
+    )
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -115,7 +120,9 @@ def run_bench_serve(
         return pool.submit(asyncio.run, coro).result()
 
 
-async def _replay(url, headers, workload, concurrency, request_rate, model, seed) -> BenchResult:
+async def _replay(
+    url, headers, workload, concurrency, request_rate, model, seed, reset_prefix_cache
+) -> BenchResult:
     # Requests may queue behind a saturated batch for minutes; only connecting must be quick.
     timeout = httpx.Timeout(600.0, connect=30.0, pool=None)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -130,6 +137,10 @@ async def _replay(url, headers, workload, concurrency, request_rate, model, seed
         if not first.success:
             raise ValueError(f"the warm-up request to {url} failed: {first.error}")
 
+        if reset_prefix_cache:
+            r = await client.post("/reset_prefix_cache")
+            if r.status_code != 200 or r.json().get("reset") is not True:
+                raise ValueError(f"{url} did not empty its prefix cache: HTTP {r.status_code}")
         before = await prefix_cache_counters(client)
         start = time.perf_counter()
         if request_rate is None:
@@ -146,10 +157,17 @@ async def _replay(url, headers, workload, concurrency, request_rate, model, seed
 
 
 async def served_model(client: httpx.AsyncClient) -> str:
+    return (await served_model_card(client))["id"]
+
+
+async def served_model_card(client: httpx.AsyncClient) -> dict:
+    """The first model the server lists, as /v1/models describes it (stepscope adds its dtype)."""
     try:
         r = await client.get("/v1/models")
         r.raise_for_status()
-        return r.json()["data"][0]["id"]
+        card = r.json()["data"][0]
+        card["id"]  # noqa: B018 - a card without an id is no answer
+        return card
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         raise ValueError(f"cannot list the models of {client.base_url}: {e!r}") from e
 
@@ -376,18 +394,32 @@ def bench_serve(args: argparse.Namespace) -> None:
     from stepscope.engine.models.loader import load_config, resolve_model
 
     settings = _check_args(args)
+    # The offline comparison runs the dtype the server runs: the one asked for here when this
+    # starts the servers, else the one the server reports (float32 where it reports none).
+    dtype = args.dtype
     if settings:
+        from stepscope.engine.config import device_tier_defaults
         from stepscope.engine.models.loader import DEFAULT_MODEL
 
         model = args.model or DEFAULT_MODEL
+        # The servers' budget, written out, so that the offline comparison runs the same one
+        # (offline, `LLM` would take the larger offline tier).
+        budget, seqs = device_tier_defaults("cpu", offline=False)
+        args.max_num_batched_tokens = args.max_num_batched_tokens or budget
+        args.max_num_seqs = args.max_num_seqs or seqs
     else:
 
-        async def name() -> str:
+        async def card() -> dict:
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             async with httpx.AsyncClient(base_url=args.url.rstrip("/"), headers=headers) as client:
-                return await served_model(client)
+                return await served_model_card(client)
 
-        model = args.model or asyncio.run(name())
+        served = asyncio.run(card())
+        model = args.model or served["id"]
+        dtype = served.get("dtype", "float32")
+        for field in ("max_num_batched_tokens", "max_num_seqs"):  # the server's own budget
+            if getattr(args, field) is None and field in served:
+                setattr(args, field, served[field])
     try:
         vocab_size = load_config(resolve_model(args.tokenizer or model))["vocab_size"]
     except ValueError as e:
@@ -416,7 +448,14 @@ def bench_serve(args: argparse.Namespace) -> None:
         res = results[settings[0]][0]
     else:
         res = run_bench_serve(
-            args.url, workload, args.concurrency, args.request_rate, args.api_key, model, args.seed
+            args.url,
+            workload,
+            args.concurrency,
+            args.request_rate,
+            args.api_key,
+            model,
+            args.seed,
+            args.reset_prefix_cache,
         )
         print(format_result(res))
         _notes(res, workload)
@@ -425,8 +464,8 @@ def bench_serve(args: argparse.Namespace) -> None:
     # Only now, with the server idle, so that the two never share the cores.
     from stepscope.engine.bench.offline import run_stepscope
 
-    print(f"{' Offline engine, same workload ':=^50}")
-    elapsed, _ = run_stepscope(model, workload, args)
+    print(f"{' Offline engine, same workload, ' + dtype + ' ':=^50}")
+    elapsed, _ = run_stepscope(model, workload, args, dtype=dtype)
     offline = workload.num_output_tokens / elapsed
     print(f"{'Offline duration (s):':<40} {elapsed:<10.2f}")
     print(f"{'Offline output token throughput (tok/s):':<40} {offline:<10.2f}")
@@ -448,7 +487,8 @@ def _notes(res: BenchResult, workload: Workload) -> None:
 
 
 def _server_args(args: argparse.Namespace, model: str, setting: str, trace_db: Path) -> list[str]:
-    out = ["--model", model, "--tp", str(args.tp), *TRACING_SETTINGS[setting]]
+    out = ["--model", model, "--tp", str(args.tp), "--dtype", args.dtype]
+    out += TRACING_SETTINGS[setting]
     if setting != "off":
         out += ["--trace-db", str(trace_db)]
     for flag, value in (

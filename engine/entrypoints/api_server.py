@@ -11,6 +11,7 @@ official client maps to its exceptions; bad input is a `FieldError`, a 400 namin
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -54,15 +55,23 @@ def build_app(
     max_queued_requests: int = 256,
     api_server: int | None = None,
     process_list=None,
+    niceness: int = 0,
 ) -> FastAPI:
     """`engine_factory()` builds the AsyncLLM when the server starts (its processes with it).
     With several API servers, `api_server` is this one's index and `process_list()` lists every
-    process of the deployment (default: the engine's own list)."""
+    process of the deployment (default: the engine's own list). `niceness`: how much this
+    process lowers its scheduling priority once the engine has started (`serve` on a CPU)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = engine_factory()
         engine.start()
+        if niceness:
+            # On a CPU the engine's forward runs an OpenMP thread per core, and an API server
+            # that takes a core mid-step stalls them all at their next barrier. Lowered, its
+            # work per step (detokenizing, JSON, SSE) runs in the gaps between parallel
+            # regions and steps instead. After the engine started: its processes keep theirs.
+            os.nice(niceness)
         app.state.s = ServerState(
             engine, model_name, api_key, max_queued_requests, ServerMetrics(model_name, api_server)
         )
@@ -163,6 +172,8 @@ def build_app(
                     "max_model_len": s.engine.max_model_len,
                     "dtype": s.engine.config.dtype,
                     "dtype_reason": s.engine.config.dtype_reason,
+                    "max_num_batched_tokens": s.engine.config.max_num_batched_tokens,
+                    "max_num_seqs": s.engine.config.max_num_seqs,
                 }
             ],
         }
@@ -178,6 +189,13 @@ def build_app(
         return PlainTextResponse(
             s.metrics.render(stats, s.in_flight, dropped), media_type="text/plain; version=0.0.4"
         )
+
+    # vLLM's endpoint of the same name: a benchmark that replays a workload starts from an
+    # empty prefix cache. False while requests run (their blocks cannot be dropped).
+    @app.post("/reset_prefix_cache", responses=_ERRORS_503)
+    async def reset_prefix_cache(request: Request) -> dict:
+        s: ServerState = request.app.state.s
+        return {"reset": bool(await s.engine.reset_prefix_cache())}
 
     # The tokenizer endpoints vLLM offers, which clients such as lm-evaluation-harness use to
     # tokenize exactly as the server does (its `tokenizer_backend=remote`).
@@ -379,6 +397,7 @@ def main() -> None:
         max_queued_requests=args.max_queued_requests,
         api_server=args.index,
         process_list=lambda: read_processes(args.processes_file),
+        niceness=args.niceness,
     )
     config = uvicorn.Config(app, fd=args.fd, log_level="warning", timeout_graceful_shutdown=5)
     # uvicorn stops gracefully on SIGTERM, then raises it again with the handler it found: make

@@ -218,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="requests held at once; past it the server answers 503 + Retry-After",
     )
+    p.add_argument(
+        "--api-server-niceness",
+        type=int,
+        default=None,
+        help="how far the API servers lower their CPU priority once the engine runs, so that "
+        "they do not preempt its forward (default: 10 on a CPU device, 0 on a GPU)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--trace-db",
@@ -344,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
         "run the workload against each in turn and print their throughput ratio",
     )
     p.add_argument("--repeat", type=int, default=1, help="with --tracing: runs per setting")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="with --tracing: the servers' dtype (with --url the offline run takes the server's)",
+    )
     p.add_argument("--tp", type=int, default=1, help="with --tracing: tensor-parallel size")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: C clients")
@@ -359,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", default=None)
     _add_workload_args(p)
+    p.add_argument(
+        "--reset-prefix-cache",
+        action="store_true",
+        help="with --url: empty the server's prefix cache first (POST /reset_prefix_cache), so "
+        "that a workload it served before is computed again",
+    )
     p.add_argument(
         "--compare-offline",
         action="store_true",

@@ -59,6 +59,7 @@ class APIServerArgs(msgspec.Struct):
     max_queued_requests: int
     processes_file: str  # every process of the deployment, as JSON (for GET /processes)
     parent_pid: int
+    niceness: int = 0  # lowered once its engine client is up (serve --api-server-niceness)
 
 
 # ---- arguments ----------------------------------------------------------------------------------
@@ -171,6 +172,7 @@ def launch(args: argparse.Namespace, engine_args: dict, name: str) -> None:
                         max_queued_requests=args.max_queued_requests,
                         processes_file=str(processes_file),
                         parent_pid=os.getpid(),
+                        niceness=args.api_server_niceness,
                     )
                 )
             )

@@ -79,6 +79,8 @@ def serve(args: argparse.Namespace) -> None:
     engine_args.update(dtype=config.dtype, dtype_reason=config.dtype_reason)
     print(f"stepscope: dtype {config.dtype} ({config.dtype_reason})", flush=True)
     launcher.check_scale_out_args(args)
+    if args.api_server_niceness is None:
+        args.api_server_niceness = 0 if args.device.startswith("cuda") else 10
     if args.headless:
         launcher.run_headless(args, engine_args)
         return
@@ -131,6 +133,7 @@ def _run(args: argparse.Namespace, engine_args: dict, name: str) -> None:
         model_name=name,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
+        niceness=args.api_server_niceness,
     )
     note = "" if not args.no_trace else " (--no-trace: no spans recorded)"
     print(f"stepscope: serving {name} on http://{args.host}:{args.port}/v1{note}", flush=True)

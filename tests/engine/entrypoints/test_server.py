@@ -55,6 +55,34 @@ def test_models_lists_the_served_model(client) -> None:
         "float32",
         "auto: the checkpoint is float32",
     )
+    # The budget the server runs (the server tier on a CPU; bench serve compares offline with it).
+    assert (models[0].max_num_batched_tokens, models[0].max_num_seqs) == (512, 64)
+
+
+def test_the_api_server_yields_the_cpu_to_the_engine(server) -> None:
+    """On a CPU the API server lowers its priority once the engine runs (nice 10), and the
+    engine core, started before, keeps the priority it was started with."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    procs = httpx.get(f"{server.url}/processes", headers=headers, timeout=10).json()["data"]
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    by_role = {p["role"]: os.getpriority(os.PRIO_PROCESS, p["pid"]) for p in procs}
+    assert by_role["api"] == min(ours + 10, 19)
+    assert by_role["engine_core"] == ours
+
+
+def test_reset_prefix_cache_empties_it_for_a_replay(server) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "the same words again " * 8, "max_tokens": 1}
+    hits = []
+    for reset in (False, True):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+        if reset:
+            r = httpx.post(f"{server.url}/reset_prefix_cache", headers=headers, timeout=60)
+            assert r.status_code == 200 and r.json() == {"reset": True}
+        before = server.metric("stepscope:prefix_cache_hits_total")
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+        hits.append(server.metric("stepscope:prefix_cache_hits_total") - before)
+    assert hits[0] > 0 and hits[1] == 0
 
 
 def test_completion_returns_text_usage_and_finish_reason(client) -> None:
