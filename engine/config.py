@@ -58,21 +58,20 @@ def auto_dtype(
 def device_tier_defaults(device: str, offline: bool) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) for a device, as vLLM picks them.
 
-    CUDA follows vLLM's defaults for the server (>= 160 GiB: 16384 / 1024; >= 70 GiB and
-    not A100: 8192 / 1024; other GPUs: 2048 / 256) and vLLM's larger budgets for the offline
-    `LLM` class. CPU tier: 512 tokens / 64 sequences for the server, 1024 / 128 offline. On two
-    cores a 2048-token step of a 135M model takes ~5 s, stalling every running decode that long;
-    512 tokens keep a step near one second while still amortising per-step overhead, and offline
-    runs favour throughput over inter-token latency with twice that.
+    CUDA follows vLLM's `EngineArgs.get_batch_defaults` at the commit the tutorials pin
+    (b4622cf9, Feb 2026): a GPU of 70 GiB or more that is not an A100 gets 8192 / 1024 for the
+    server and 16384 / 1024 offline; any other GPU 2048 / 256 and 8192 / 256. (Later vLLM
+    releases add a tier for 160 GiB and more; stepscope follows the pin.) CPU tier: 512 tokens /
+    64 sequences for the server, 1024 / 128 offline. On two cores a 2048-token step of a 135M
+    model takes ~5 s, stalling every running decode that long; 512 tokens keep a step near one
+    second while still amortising per-step overhead, and offline runs favour throughput over
+    inter-token latency with twice that.
     """
     if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device))
-        gib = props.total_memory / 2**30
-        if gib >= 160:
-            return (16384 if not offline else 32768), 1024
-        if gib >= 70 and "A100" not in props.name:
-            return (8192 if not offline else 16384), 1024
-        return (2048 if not offline else 8192), 256
+        if props.total_memory / 2**30 >= 70 and "a100" not in props.name.lower():
+            return (16384 if offline else 8192), 1024
+        return (8192 if offline else 2048), 256
     return (1024, 128) if offline else (512, 64)
 
 

@@ -63,8 +63,8 @@ LESSON_PARTS: list[tuple[str, Callable[[NotebookNode], bool]]] = [
         lambda nb: any("Predict" in s for s in _cells(nb, "markdown")),
     ),
     (
-        "a code cell that shows stepscope's code (`inspect.getsource`)",
-        lambda nb: any("inspect.getsource" in s for s in _cells(nb, "code")),
+        "a code cell that shows stepscope's code (`show_source(` or `beside(`, viz/lessons.py)",
+        lambda nb: any("show_source(" in s or "beside(" in s for s in _cells(nb, "code")),
     ),
     (
         "a cell that cites the vLLM source it mirrors (vllm/....py)",
@@ -111,6 +111,18 @@ def test_notebook_has_every_part_of_a_lesson(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
     missing = [part for part, present in LESSON_PARTS if not present(notebook)]
     assert not missing, f"{path.name} lacks: " + "; ".join(missing)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_notebook_is_one_short_lesson_on_the_shared_helpers(path: Path) -> None:
+    """At most 30 cells and 250 code lines; source shown by viz/lessons.py, not a copy of it."""
+    notebook = nbformat.read(path, as_version=4)
+    code_lines = sum(len(s.splitlines()) for s in _cells(notebook, "code"))
+    assert len(notebook.cells) <= 30 and code_lines <= 250, (len(notebook.cells), code_lines)
+    own = [
+        s for s in _cells(notebook, "code") if re.search(r"^def (show_source|reveal)\b", s, re.M)
+    ]
+    assert not own, f"{path.name} defines its own source printer; use stepscope.viz.lessons"
 
 
 @pytest.mark.slow
