@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup demo test bench lint format lab tutorials gpu-check gpu-check-dry
+.PHONY: setup demo test bench llama-server lint format lab tutorials gpu-check gpu-check-dry site site-check
 
 setup: $(STAMP)
 
@@ -32,6 +32,13 @@ test: setup lint
 bench: setup
 	$(PY) -m stepscope.engine.entrypoints.cli bench offline
 
+# llama.cpp's server, for `stepscope bench serve --url` side by side (docs/benchmarks.md): built
+# once from the pinned PyPI sdist into $STEPSCOPE_CACHE/llama.cpp/ (~7 min on 2 cores; needs
+# cmake and g++). Benchmarks only: never part of `make test`.
+llama-server: setup
+	command -v cmake >/dev/null || (apt-get update -q && apt-get install -y -q cmake g++)
+	$(PY) tools/build_llama_server.py
+
 # The tutorials in JupyterLab, on loopback.
 lab: setup
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=tutorials --no-browser --allow-root
@@ -40,6 +47,22 @@ lab: setup
 # notebooks on disk keep none). `make tutorials ONLY="00 03"` renders just those.
 tutorials: setup
 	$(PY) tools/render_tutorials.py --out build/tutorials $(if $(ONLY),--only $(ONLY))
+
+# The documentation site, static and offline: build/site/index.html (README, docs/, every lesson
+# with its outputs and how long it ran). Lessons already executed by `make tutorials` from the same
+# notebook are reused, the others executed once; `ONLY="00 03"` as for tutorials.
+SITE_STAMP := $(VENV)/.site-setup-done
+
+$(SITE_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[site]'
+	touch $(SITE_STAMP)
+
+site: setup $(SITE_STAMP)
+	$(PY) tools/build_site.py $(if $(ONLY),--only $(ONLY))
+
+# The built site in Chromium: every page without errors, every link, search, every Bokeh figure.
+site-check: site
+	$(PY) -m pytest -q tests/site
 
 lint: setup
 	$(VENV)/bin/ruff format --check .

@@ -3,7 +3,10 @@
 Every `tutorials/NN_*.ipynb` runs top to bottom in a fresh kernel of this interpreter, in a
 temporary working directory (as the test suite runs them), so whatever a notebook writes stays out
 of `tutorials/` and the notebooks on disk keep no outputs. Each becomes `<out>/<name>.html`,
-with Bokeh's JavaScript inline so the figures draw from the file alone, offline.
+with Bokeh's JavaScript inline so the figures draw from the file alone, offline, and
+`<out>/<name>.ipynb`, the executed notebook, whose metadata["stepscope"] says how long it took, on
+which machine, when, and from which source (`make site` builds its lesson pages from these copies
+rather than running the notebooks again).
 
 A notebook that fails still gets its HTML, up to and including the failing cell and its
 traceback; the script then exits with status 1.
@@ -14,10 +17,13 @@ traceback; the script then exits with status 1.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import re
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nbformat
@@ -28,6 +34,7 @@ from nbformat import NotebookNode
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = ROOT / "tutorials"
 CELL_TIMEOUT_S = 600
+ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours its tracebacks
 
 
 def notebooks(only: list[str] | None = None) -> list[Path]:
@@ -60,20 +67,65 @@ def to_html(notebook: NotebookNode) -> str:
     return body
 
 
+def source_digest(path: Path) -> str:
+    """What an executed copy records of its source, so a later build can tell it is stale."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def machine() -> str:
+    """This machine in a few words, e.g. "2 cores of AMD EPYC"."""
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cores} cores of {cpu}"
+
+
 def render(path: Path, out_dir: Path, timeout: int) -> tuple[Path, float, str | None]:
-    """Execute one tutorial and write its HTML: (html path, seconds, error or None)."""
-    notebook = nbformat.read(path, as_version=4)
+    """Execute one tutorial and write its HTML and its executed copy: (html path, seconds, error
+    or None)."""
+    source = path.read_bytes()  # digested as read: the file may change while this one runs
+    notebook = nbformat.reads(source.decode("utf-8"), as_version=4)
+    executed_at = datetime.now(UTC)
     error = None
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"tutorial-{path.stem}-") as workdir:
         try:
             execute(notebook, Path(workdir), timeout)
         except CellExecutionError as e:
-            error = str(e).strip().splitlines()[-1]
+            error = ANSI_COLOR.sub("", str(e).strip().splitlines()[-1])
     seconds = time.monotonic() - start
+    notebook.metadata["stepscope"] = {
+        "wall_s": round(seconds, 1),
+        "machine": machine(),
+        "executed_at": executed_at.isoformat(timespec="seconds"),
+        "error": error,
+        "source_sha256": hashlib.sha256(source).hexdigest(),
+    }
+    nbformat.write(notebook, out_dir / path.name)
     html = out_dir / f"{path.stem}.html"
     html.write_text(to_html(notebook), encoding="utf-8")
     return html, seconds, error
+
+
+def render_all(paths: list[Path], out_dir: Path, timeout: int = CELL_TIMEOUT_S) -> list[str]:
+    """Render each of `paths` into `out_dir`, one after the other; return the names that failed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Kernels inherit this: output_notebook() then embeds BokehJS instead of loading it from a CDN.
+    os.environ["BOKEH_RESOURCES"] = "inline"
+    failed = []
+    for path in paths:
+        html, seconds, error = render(path, out_dir, timeout)
+        status = "ok" if error is None else f"FAILED: {error}"
+        print(f"{path.name}: {seconds:.1f} s, {status} -> {html}", flush=True)
+        if error is not None:
+            failed.append(path.name)
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,16 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if not paths:
         print(f"no tutorial matches {args.only}", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    # Kernels inherit this: output_notebook() then embeds BokehJS instead of loading it from a CDN.
-    os.environ["BOKEH_RESOURCES"] = "inline"
-    failed = []
-    for path in paths:
-        html, seconds, error = render(path, args.out, args.timeout)
-        status = "ok" if error is None else f"FAILED: {error}"
-        print(f"{path.name}: {seconds:.1f} s, {status} -> {html}", flush=True)
-        if error is not None:
-            failed.append(path.name)
+    failed = render_all(paths, args.out, args.timeout)
     if failed:
         print(f"{len(failed)} of {len(paths)} failed: {', '.join(failed)}", file=sys.stderr)
         return 1

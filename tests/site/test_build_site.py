@@ -1,0 +1,89 @@
+"""tools/build_site.py without Sphinx: which executed lessons it reuses, and what it adds to and
+removes from a lesson before Sphinx reads it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_builder():
+    spec = importlib.util.spec_from_file_location("build_site", ROOT / "tools" / "build_site.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILDER = _load_builder()
+
+
+def _executed(tmp_path: Path, source: Path, error: str | None = None, wall_s: float = 41.2) -> Path:
+    """An executed copy of `source`, as tools/render_tutorials.py writes one."""
+    notebook = nbformat.read(source, as_version=4)
+    notebook.metadata["stepscope"] = {
+        "wall_s": wall_s,
+        "machine": "2 cores of Test CPU",
+        "executed_at": "2026-01-02T03:04:05+00:00",
+        "error": error,
+        "source_sha256": BUILDER.renderer.source_digest(source),
+    }
+    path = tmp_path / "executed" / source.name
+    path.parent.mkdir(exist_ok=True)
+    nbformat.write(notebook, path)
+    return path
+
+
+def _lesson(tmp_path: Path) -> Path:
+    notebook = new_notebook(
+        cells=[
+            new_markdown_cell("# 03 · A lesson\n\nWhat is in one step?"),
+            new_code_cell(
+                "show(p)",
+                outputs=[
+                    new_output(
+                        "display_data",
+                        data={
+                            "application/javascript": "embed()",
+                            "application/vnd.bokehjs_exec.v0+json": "",
+                        },
+                        metadata={"application/vnd.bokehjs_exec.v0+json": {"id": "p1001"}},
+                    )
+                ],
+            ),
+        ]
+    )
+    path = tmp_path / "03_a_lesson.ipynb"
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_executed_copy_is_reused_only_when_made_from_this_notebook_and_passed(tmp_path) -> None:
+    source = _lesson(tmp_path)
+    assert BUILDER.why_execute(source, tmp_path / "missing.ipynb") == "not executed yet"
+    assert BUILDER.why_execute(source, _executed(tmp_path, source)) is None
+    failed = _executed(tmp_path, source, error="AssertionError: 3 != 4")
+    assert BUILDER.why_execute(source, failed) == "its last run failed"
+    executed = _executed(tmp_path, source)
+    source.write_text(source.read_text().replace("one step", "two steps"))
+    assert BUILDER.why_execute(source, executed) == "the notebook changed since"
+
+
+def test_lesson_page_says_under_its_title_how_long_the_run_took(tmp_path) -> None:
+    page = BUILDER.lesson_page(_executed(tmp_path, _lesson(tmp_path), wall_s=130.4))
+    lines = page.cells[0].source.splitlines()
+    assert lines[0] == "# 03 · A lesson"
+    assert "Executed in 2 min 10 s on 2 cores of Test CPU, 2026-01-02" in lines[2]
+    assert lines[-1] == "What is in one step?"
+
+
+def test_lesson_page_shows_a_failed_run_and_keeps_only_the_figure_script(tmp_path) -> None:
+    executed = _executed(tmp_path, _lesson(tmp_path), error="AssertionError: 3 != 4")
+    page = BUILDER.lesson_page(executed)
+    assert "This run failed: `AssertionError: 3 != 4`" in page.cells[0].source
+    assert set(page.cells[1].outputs[0].data) == {"application/javascript"}
