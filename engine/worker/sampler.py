@@ -66,16 +66,20 @@ def top_k_top_p_candidates(
     k_req = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     # top-p's mass is over the top-k tokens (renormalized), or over the whole vocabulary: the
     # normalizer of the whole vocabulary only for the rows without top-k that use top-p.
-    full_lse = torch.zeros(logits.shape[0], device=logits.device)
     whole = (top_k == 0) & (top_p < 1)
-    if bool(whole.any()):
-        full_lse[whole] = logits[whole].logsumexp(dim=-1)
+    if bool(whole.all()):  # the common case: no row copied out of the batch
+        full_lse = logits.logsumexp(dim=-1)
+    else:
+        full_lse = torch.zeros(logits.shape[0], device=logits.device)
+        if bool(whole.any()):
+            full_lse[whole] = logits[whole].logsumexp(dim=-1)
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, values, ids
     rows = torch.arange(logits.shape[0], device=logits.device)
     widest_k = int(k_req[top_k > 0].max()) if bool((top_k > 0).any()) else 0
     k = min(vocab, max(FIRST_CANDIDATES, widest_k))
     while rows.numel():
-        values, ids = logits[rows].topk(k, dim=-1)  # sorted, largest first
+        batch = logits if rows.numel() == logits.shape[0] else logits[rows]
+        values, ids = batch.topk(k, dim=-1)  # sorted, largest first
         drop = torch.arange(k, device=logits.device)[None, :] >= k_req[rows, None]
         masked = values.masked_fill(drop, float("-inf"))
         lse = torch.where(top_k[rows] > 0, masked.logsumexp(dim=-1), full_lse[rows])
@@ -199,7 +203,9 @@ class Sampler:
             rows = torch.tensor(greedy_rows, device=logits.device)
             token_ids[rows] = scores[rows].argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
+        if len(random_rows) == len(params):  # every row sampled: no copy of the batch
+            token_ids = self._sample_random(scores, params, generators)
+        elif random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             token_ids[rows] = self._sample_random(
                 scores[rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
@@ -225,7 +231,7 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:  # [rows] token ids
         dev = scores.device
-        scores = scores / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+        scores = scores / torch.tensor([[p.temperature] for p in params], device=dev)
         out = torch.empty(len(params), dtype=torch.long, device=dev)
         filtered = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
         plain = [j for j, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1)]
@@ -233,7 +239,8 @@ class Sampler:
             rows = torch.tensor(filtered, device=dev)
             top_k = torch.tensor([params[j].top_k for j in filtered], device=dev)
             top_p = torch.tensor([params[j].top_p for j in filtered], device=dev)
-            values, ids = top_k_top_p_candidates(scores[rows], top_k, top_p)
+            batch = scores if len(filtered) == len(params) else scores[rows]
+            values, ids = top_k_top_p_candidates(batch, top_k, top_p)
             out[rows] = self._draw(values, ids, [generators[j] for j in filtered])
         if plain:  # temperature alone: every token is a candidate
             rows = torch.tensor(plain, device=dev)
