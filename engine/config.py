@@ -58,14 +58,16 @@ def auto_dtype(
 def device_tier_defaults(device: str, offline: bool) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) for a device, as vLLM picks them.
 
-    CUDA follows vLLM's `EngineArgs.get_batch_defaults` at the commit the tutorials pin
-    (b4622cf9, Feb 2026): a GPU of 70 GiB or more that is not an A100 gets 8192 / 1024 for the
-    server and 16384 / 1024 offline; any other GPU 2048 / 256 and 8192 / 256. (Later vLLM
-    releases add a tier for 160 GiB and more; stepscope follows the pin.) CPU tier: 512 tokens /
-    64 sequences for the server, 1024 / 128 offline. On two cores a 2048-token step of a 135M
-    model takes ~5 s, stalling every running decode that long; 512 tokens keep a step near one
-    second while still amortising per-step overhead, and offline runs favour throughput over
-    inter-token latency with twice that.
+    CUDA follows vLLM's GPU rows in `vllm/engine/arg_utils.py`, which is not stored at the commit
+    the tutorials pin (b4622cf9, Feb 2026): they were read at 99d7eb5 (autumn 2025), in
+    `EngineArgs._set_default_args` (later copies: `EngineArgs.get_batch_defaults`). A GPU of
+    70 GiB or more that is not an A100 gets 8192 / 1024 for the server and 16384 / 1024 offline;
+    any other GPU 2048 / 256 and 8192 / 256. (Releases after the pin add a tier for 160 GiB and
+    more; stepscope follows the pin.) CPU tier: 512 tokens / 64 sequences for the server,
+    1024 / 128 offline. On two cores a 2048-token step of a 135M model takes ~5 s, stalling every
+    running decode that long; 512 tokens keep a step near one second while still amortising
+    per-step overhead, and offline runs favour throughput over inter-token latency with twice
+    that.
     """
     if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device))

@@ -1,9 +1,9 @@
 """The budget and sequence cap an engine gets when given none: vLLM's rows on a GPU, stepscope's
 own tier on a CPU.
 
-The GPU rows are vLLM's `EngineArgs.get_batch_defaults` at the commit the tutorials pin
-(stepscope.viz.lessons.VLLM_PIN): 70 GiB or more and not an A100, or anything else. No GPU is
-needed: torch is told which device it has.
+The GPU rows are vLLM's defaults as read at 99d7eb5 (autumn 2025, `EngineArgs._set_default_args`;
+`arg_utils.py` is not stored at the tutorials' pin, stepscope.viz.lessons.VLLM_PIN): 70 GiB or
+more and not an A100, or anything else. No GPU is needed: torch is told which device it has.
 """
 
 from __future__ import annotations

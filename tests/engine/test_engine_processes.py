@@ -59,9 +59,7 @@ def test_smollm2_tp3_gives_the_tp1_tokens() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24)
     tokens = {}
     for tp in (1, 3):
-        with LLM(
-            num_kv_blocks=128, executor="mp", tensor_parallel_size=tp, dtype="float32"
-        ) as llm:
+        with LLM(num_kv_blocks=128, executor="mp", tensor_parallel_size=tp, dtype="float32") as llm:
             tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens[3] == tokens[1]
 
