@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 Marker = str | Callable[[str], bool] | None
@@ -367,14 +368,16 @@ def process_kind(cmdline: str) -> str:
 def process_table(root: Any, root_kind: str = "front end (this kernel)") -> pd.DataFrame:
     """The OS's view (psutil): `root` and every process below it, as kind, pid, ppid."""
     rows = [(root_kind, root.pid, root.ppid())]
-    rows += [(process_kind(" ".join(p.cmdline())), p.pid, p.ppid()) for p in root.children(True)]
+    for p in root.children(True):
+        try:
+            rows.append((process_kind(" ".join(p.cmdline())), p.pid, p.ppid()))
+        except psutil.Error:  # exited, or a zombie not yet reaped: no longer running anything
+            continue
     return pd.DataFrame(rows, columns=["kind", "pid", "ppid"])
 
 
 def wait_gone(pids: Iterable[int], timeout: float = 15.0) -> bool:
     """Whether every process in `pids` has exited (or is a zombie) within `timeout` seconds."""
-    import psutil
-
     def alive(pid: int) -> bool:
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

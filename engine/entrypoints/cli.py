@@ -221,9 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-server-niceness",
         type=int,
-        default=None,
+        default=0,
         help="how far the API servers lower their CPU priority once the engine runs, so that "
-        "they do not preempt its forward (default: 10 on a CPU device, 0 on a GPU)",
+        "on a small CPU they do not preempt its forward (e.g. 10; default 0: unchanged)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

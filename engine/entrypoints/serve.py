@@ -79,8 +79,6 @@ def serve(args: argparse.Namespace) -> None:
     engine_args.update(dtype=config.dtype, dtype_reason=config.dtype_reason)
     print(f"stepscope: dtype {config.dtype} ({config.dtype_reason})", flush=True)
     launcher.check_scale_out_args(args)
-    if args.api_server_niceness is None:
-        args.api_server_niceness = 0 if args.device.startswith("cuda") else 10
     if args.headless:
         launcher.run_headless(args, engine_args)
         return

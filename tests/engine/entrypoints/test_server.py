@@ -33,6 +33,8 @@ def server():
         "512",
         "--max-num-seqs",
         "64",
+        "--api-server-niceness",
+        "10",
     )
     yield s
     s.stop()
@@ -60,8 +62,8 @@ def test_models_lists_the_served_model(client) -> None:
 
 
 def test_the_api_server_yields_the_cpu_to_the_engine(server) -> None:
-    """On a CPU the API server lowers its priority once the engine runs (nice 10), and the
-    engine core, started before, keeps the priority it was started with."""
+    """`--api-server-niceness 10`: the API server lowers its priority once the engine runs, and
+    the engine core, started before, keeps the priority it was started with."""
     headers = {"Authorization": f"Bearer {KEY}"}
     procs = httpx.get(f"{server.url}/processes", headers=headers, timeout=10).json()["data"]
     ours = os.getpriority(os.PRIO_PROCESS, 0)
