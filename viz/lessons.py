@@ -378,6 +378,7 @@ def process_table(root: Any, root_kind: str = "front end (this kernel)") -> pd.D
 
 def wait_gone(pids: Iterable[int], timeout: float = 15.0) -> bool:
     """Whether every process in `pids` has exited (or is a zombie) within `timeout` seconds."""
+
     def alive(pid: int) -> bool:
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
