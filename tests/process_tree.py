@@ -68,6 +68,11 @@ def kill_marked(mark: str, timeout: float = 10.0) -> list[str]:
     return left
 
 
+def _terminal_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 class ProcessTree:
     """Starts processes for one test; `kill()` ends them and all their descendants."""
 
@@ -80,6 +85,10 @@ class ProcessTree:
 
     def popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:
         kwargs["env"] = self.env(kwargs.get("env"))
+        # Started as from a terminal, however pytest was: a background `make test` ignores
+        # SIGINT (and `nohup` SIGHUP), and a child would inherit that and never see the Ctrl-C
+        # or hang-up a test sends it.
+        kwargs.setdefault("preexec_fn", _terminal_signals)
         proc = subprocess.Popen(cmd, **kwargs)
         self.procs.append(proc)
         return proc
