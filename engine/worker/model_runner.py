@@ -80,7 +80,7 @@ class ModelRunner:
         )
         self.tp_size = tp_size
         self.num_kv_heads = self.shape.num_kv_heads // tp_size
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, cpu_kernels=self.attn.name == "cpu")
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 

@@ -3,13 +3,15 @@
 Rows with a `logit_bias` add it first, then rows with a penalty apply it, as vLLM V1 does
 (`vllm/v1/sample/ops/penalties.py`): repetition over prompt and output tokens, frequency and
 presence over output tokens. Greedy rows take the argmax. Random rows apply temperature, then
-top-k and top-p without sorting the vocabulary: a partial top-K of each row (K from 64, grown
-only for a row whose nucleus is wider) is enough to find every token top-k and top-p keep, as
-the sorted reference (`apply_top_k_top_p_sorted`) would (vLLM avoids the full sort too,
-`vllm/v1/sample/ops/topk_topp_sampler.py`). The draw inverts each row's cumulative
-distribution over its kept tokens at one uniform: a request with a seed takes its uniform from
-its own generator, so it gets the same tokens whatever the batch; the other rows share one call
-of the engine's generator per step.
+top-k and top-p without sorting the vocabulary, keeping the tokens the sorted reference
+(`apply_top_k_top_p_sorted`) keeps (vLLM avoids the full sort too,
+`vllm/v1/sample/ops/topk_topp_sampler.py`). On the CPU kernels' backend one C call does it for
+the batch (kernels/cpu/sampling.c: a few vectorized passes find a threshold that holds every
+kept token, and only the tokens above it are sorted); elsewhere a partial top-K of each row
+(K from 64, grown only for a row whose nucleus is wider) finds them in torch. The draw inverts
+each row's cumulative distribution over its kept tokens at one uniform: a request with a seed
+takes its uniform from its own generator, so it gets the same tokens whatever the batch; the
+other rows share one call of the engine's generator per step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from stepscope.engine.sampling_params import SamplingParams
+from stepscope.kernels.cpu import ops as cpu_ops
 
 
 @dataclass(slots=True)
@@ -176,8 +179,11 @@ def _apply_penalties(
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, cpu_kernels: bool = False) -> None:
+        """`cpu_kernels`: find top-k / top-p with the CPU kernels' C routine (the CPU backend
+        builds them) instead of torch's partial top-K."""
         self.device = device
+        self.cpu_kernels = cpu_kernels
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
 
@@ -231,7 +237,7 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:  # [rows] token ids
         dev = scores.device
-        scores = scores / torch.tensor([[p.temperature] for p in params], device=dev)
+        temperature = torch.tensor([p.temperature for p in params], device=dev)
         out = torch.empty(len(params), dtype=torch.long, device=dev)
         filtered = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
         plain = [j for j, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1)]
@@ -240,11 +246,16 @@ class Sampler:
             top_k = torch.tensor([params[j].top_k for j in filtered], device=dev)
             top_p = torch.tensor([params[j].top_p for j in filtered], device=dev)
             batch = scores if len(filtered) == len(params) else scores[rows]
-            values, ids = top_k_top_p_candidates(batch, top_k, top_p)
+            temp = temperature if len(filtered) == len(params) else temperature[rows]
+            if self.cpu_kernels:
+                values, ids = cpu_ops.top_k_top_p(batch.contiguous(), temp, top_k, top_p)
+            else:
+                values, ids = top_k_top_p_candidates(batch / temp[:, None], top_k, top_p)
             out[rows] = self._draw(values, ids, [generators[j] for j in filtered])
         if plain:  # temperature alone: every token is a candidate
             rows = torch.tensor(plain, device=dev)
-            out[rows] = self._draw(scores[rows], None, [generators[j] for j in plain])
+            scaled = scores[rows] / temperature[rows, None]
+            out[rows] = self._draw(scaled, None, [generators[j] for j in plain])
         return out
 
     def _draw(

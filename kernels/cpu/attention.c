@@ -38,27 +38,6 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
 }
 
-/* e^x for x <= 0, in a form a loop over it vectorizes: x = n ln2 + r with |r| <= ln2 / 2,
- * e^r by its Taylor polynomial to r^7 (relative error under 2e-7), 2^n from exponent bits. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f; /* ln2, high part: exact in float */
-    r = r - n * 1.428606765330187e-06f;  /* ln2, low part */
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 /* Softmax of row[0..n) in place; returns nothing, leaves probabilities. */
 static inline void softmax_row(float *row, int64_t n) {
     float max = row[0];

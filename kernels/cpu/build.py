@@ -43,11 +43,13 @@ COMMON = [
     "-Werror=incompatible-pointer-types",
 ]
 # Each source with its own rounding: attention may fuse multiply-adds (and lets its exponential's
-# floor vectorize); the elementwise ops round every product and sum as torch does.
+# floor vectorize); the elementwise ops round every product and sum as torch does, and so does
+# the sampler's (whose exponential vectorizes too).
 SOURCES = {
     "attention.c": ["-ffp-contract=fast", "-fno-trapping-math"],
     "norm.c": ["-ffp-contract=off"],
     "rotary.c": ["-ffp-contract=off"],
+    "sampling.c": ["-ffp-contract=off", "-fno-trapping-math"],
 }
 
 

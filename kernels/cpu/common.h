@@ -1,5 +1,6 @@
 /* What every CPU kernel shares: float32 and bfloat16 element access (bfloat16 as its 16 bits,
- * widened to float32 to compute, rounded back to nearest-even as torch rounds). */
+ * widened to float32 to compute, rounded back to nearest-even as torch rounds), and the
+ * exponential that softmax loops vectorize (attention's scores, the sampler's rows). */
 #ifndef STEPSCOPE_CPU_COMMON_H
 #define STEPSCOPE_CPU_COMMON_H
 
@@ -46,6 +47,27 @@ static inline const float *widen_bf16(const uint16_t *src, int64_t count, float 
 #pragma omp simd
     for (int64_t i = 0; i < count; i++) buffer[i] = load_bf16(src + i);
     return buffer;
+}
+
+/* e^x for x <= 0, in a form a loop over it vectorizes: x = n ln2 + r with |r| <= ln2 / 2,
+ * e^r by its Taylor polynomial to r^7 (relative error under 2e-7), 2^n from exponent bits. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f; /* ln2, high part: exact in float */
+    r = r - n * 1.428606765330187e-06f;  /* ln2, low part */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
 }
 
 #endif

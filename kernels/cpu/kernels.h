@@ -42,4 +42,10 @@ int rotary_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t 
                 int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                 uint16_t *q_out, uint16_t *k_out, int64_t num_threads);
 
+/* sampling.c */
+int top_k_top_p_f32(const float *logits, const float *temperature, const int64_t *top_k,
+                    const float *top_p, int64_t rows, int64_t vocab, float *out_values,
+                    int64_t *out_ids, int64_t *out_counts, int64_t capacity, float *scratch,
+                    int64_t num_threads);
+
 #endif

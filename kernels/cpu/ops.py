@@ -2,9 +2,11 @@
 
 Triton runs on a CPU only through its interpreter, far too slowly to serve, so the CPU path has
 kernels of its own in C (as vLLM's CPU backend has C++ ones): decode attention straight from
-the paged KV cache (`attention.c`), RMSNorm with its residual add (`norm.c`) and rotary
-embedding (`rotary.c`). Each function checks its tensors, calls the kernel with their data
-pointers on torch's threads, and returns torch tensors; float32 and bfloat16 only.
+the paged KV cache (`attention.c`), RMSNorm with its residual add (`norm.c`), rotary
+embedding (`rotary.c`) and the sampler's top-k / top-p (`sampling.c`, whose reference is the
+sampler's sorted one). Each function checks its tensors, calls the kernel with their data
+pointers on torch's threads, and returns torch tensors; float32 and bfloat16 only (the
+sampler's logits are float32).
 """
 
 from __future__ import annotations
@@ -184,3 +186,40 @@ def rotary_reference(positions, q, k, cache):
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+# ---- top-k / top-p ----------------------------------------------------------------------------
+def top_k_top_p(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    temperature: torch.Tensor,  # [rows] float32, > 0
+    top_k: torch.Tensor,  # [rows] int64, 0: off
+    top_p: torch.Tensor,  # [rows] float32, 1: off
+    capacity: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, K] scores (-inf after the kept), token ids
+    """The tokens each row keeps after temperature, top-k and top-p, as the sampler's sorted
+    reference keeps them, largest first: their scores (logits / temperature) and ids, -inf and
+    0 after a row's last. K is the most any row keeps (`capacity` is a first guess)."""
+    _check(logits, temperature, top_p, dtype=torch.float32)
+    _check(top_k, dtype=torch.int64)
+    rows, vocab = logits.shape
+    if temperature.shape != (rows,) or top_k.shape != (rows,) or top_p.shape != (rows,):
+        raise ValueError(f"temperature, top_k and top_p must be [{rows}]")
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads * 4 * vocab, dtype=torch.float32)
+    counts = torch.empty(rows, dtype=torch.int64)
+    while True:
+        capacity = max(1, min(capacity, vocab))
+        values = torch.empty(rows, capacity, dtype=torch.float32)
+        ids = torch.empty(rows, capacity, dtype=torch.int64)
+        status = _kernel("top_k_top_p", torch.float32)(
+            logits=logits.data_ptr(), temperature=temperature.data_ptr(),
+            top_k=top_k.data_ptr(), top_p=top_p.data_ptr(), rows=rows, vocab=vocab,
+            out_values=values.data_ptr(), out_ids=ids.data_ptr(), out_counts=counts.data_ptr(),
+            capacity=capacity, scratch=scratch.data_ptr(), num_threads=threads,
+        )  # fmt: skip
+        if status == 1:
+            raise ValueError("temperature and top_p must be > 0, top_k >= 0")
+        widest = int(counts.max()) if rows else 1
+        if status == 0:
+            return values[:, :widest], ids[:, :widest]
+        capacity = widest  # a row keeps more than the first guess: once more, wide enough

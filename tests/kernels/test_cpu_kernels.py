@@ -192,7 +192,8 @@ def test_the_ctypes_signatures_are_kernels_h_argument_by_argument():
     signatures = build.signatures(HEADER)
     kinds = ("decode_attention", "rms_norm", "rotary")
     per_dtype = [f"{k}_{s}" for k in kinds for s in ("f32", "bf16")]
-    assert sorted(signatures) == sorted([*per_dtype, "decode_attention_paths"])
+    others = ["decode_attention_paths", "top_k_top_p_f32"]
+    assert sorted(signatures) == sorted([*per_dtype, *others])
     attention = signatures["decode_attention_f32"]
     assert attention.params[10:13] == ("block_size", "scale", "out")
     assert attention.argtypes[10:13] == (ctypes.c_int64, ctypes.c_float, ctypes.c_void_p)
