@@ -6,10 +6,14 @@ weight is packed once at load, as vLLM's CPU backend does with its pre-packed ma
 
 - bfloat16, on a CPU with native bfloat16 matmul (AVX512_BF16 or AMX): oneDNN's layout
   (`OneDNNLinear`).
-- float32, where torch ships MKL (x86_64 wheels): MKL's packed GEMM (`cblas_sgemm_pack` once,
+- float32, where torch carries oneDNN (x86_64 wheels): oneDNN's layout too. On a CPU with
+  AVX512_BF16 and no AMX its float32 products ran 2.4x faster than MKL's packed GEMM at 15
+  tokens, 1.7x at 48 and 1.2x at 1,024 (docs/benchmarks.md).
+- float32 without oneDNN, where torch ships MKL: MKL's packed GEMM (`cblas_sgemm_pack` once,
   `cblas_sgemm_compute` per call; `MklPackedLinear`), called through ctypes from the MKL inside
-  torch's own library. 1.4-2.7x faster than `F.linear` from 8 to 48 tokens, the same at 1,024
-  (docs/benchmarks.md).
+  torch's own library; 1.4-2.7x faster than `F.linear` from 8 to 48 tokens on an AMX machine.
+
+Each packed path is checked against `F.linear` once per process before it is picked.
 
 Elsewhere (GPUs, other dtypes, CPUs without these libraries) the weights stay as loaded and
 `F.linear` runs.
@@ -40,7 +44,7 @@ class Linear:
 
 
 class OneDNNLinear(Linear):
-    """bfloat16 on CPU: each weight reordered once into oneDNN's layout at load."""
+    """bfloat16 or float32 on CPU: each weight reordered once into oneDNN's layout at load."""
 
     # The batch-size hint oneDNN picks the packed layout for; every batch size still runs.
     BATCH_HINT = 64
@@ -50,6 +54,19 @@ class OneDNNLinear(Linear):
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+    def works(self, dtype: torch.dtype) -> bool:
+        """Products equal `F.linear`'s, to the dtype's rounding, at batch sizes unlike the hint."""
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(96, 80, generator=gen).to(dtype)
+        packed = self.pack(w)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for m in (1, 7, 64, 300):
+            x = torch.randn(m, 80, generator=gen).to(dtype)
+            want = F.linear(x.float(), w.float())
+            if not torch.allclose(self(x, packed).float(), want, rtol=tol, atol=tol * 10):
+                return False
+        return True
 
 
 # CBLAS enum values (mkl_cblas.h).
@@ -156,9 +173,25 @@ def _mkl_packed_linear() -> MklPackedLinear | None:
     return linear
 
 
+@functools.cache
+def _onednn_float32_linear() -> OneDNNLinear | None:
+    """oneDNN's float32 path, looked for once per process; None where torch lacks oneDNN or it
+    disagrees with F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    linear = OneDNNLinear()
+    try:
+        if linear.works(torch.float32):
+            return linear
+    except RuntimeError:  # this oneDNN build refuses float32 weights
+        pass
+    logger.warning("oneDNN's float32 linear disagrees with F.linear or fails here; not using it")
+    return None
+
+
 def make_linear(device: torch.device, dtype: torch.dtype) -> Linear:
     """The packed path where one exists: oneDNN for bfloat16 on a CPU that runs it natively,
-    MKL for float32 where torch carries it; else `F.linear`."""
+    oneDNN for float32 where torch carries it (else MKL's packed GEMM); else `F.linear`."""
     if device.type != "cpu":
         return Linear()
     if (
@@ -167,6 +200,9 @@ def make_linear(device: torch.device, dtype: torch.dtype) -> Linear:
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     ):
         return OneDNNLinear()
-    if dtype == torch.float32 and (mkl := _mkl_packed_linear()) is not None:
-        return mkl
+    if dtype == torch.float32:
+        if (onednn := _onednn_float32_linear()) is not None:
+            return onednn
+        if (mkl := _mkl_packed_linear()) is not None:
+            return mkl
     return Linear()

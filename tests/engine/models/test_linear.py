@@ -1,5 +1,5 @@
-"""The model's linear op: packed weights (oneDNN bfloat16, MKL float32) compute what `F.linear`
-computes."""
+"""The model's linear op: packed weights (oneDNN bfloat16 and float32, MKL float32) compute what
+`F.linear` computes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from stepscope.engine.models.linear import (
     MklPackedLinear,
     OneDNNLinear,
     PackedWeight,
+    _mkl_packed_linear,
     make_linear,
 )
 
@@ -21,19 +22,33 @@ CPU = torch.device("cpu")
 X86 = platform.system() == "Linux" and platform.machine() == "x86_64"
 
 
-def test_float32_packs_with_mkl_where_torch_carries_it() -> None:
+def test_float32_packs_with_onednn_where_torch_carries_it() -> None:
     linear = make_linear(CPU, torch.float32)
-    if X86:  # torch's x86_64 Linux wheels carry MKL: the packed path must be found, not skipped
-        assert isinstance(linear, MklPackedLinear)
-    if isinstance(linear, MklPackedLinear):
+    if X86:  # torch's x86_64 Linux wheels carry oneDNN: the packed path must be found, not skipped
+        assert isinstance(linear, OneDNNLinear)
+    if isinstance(linear, OneDNNLinear):
+        w = torch.randn(8, 4)
+        assert linear.pack(w) is not w and linear.works(torch.float32)
+    elif isinstance(linear, MklPackedLinear):
         packed = linear.pack(torch.randn(8, 4))
-        assert isinstance(packed, PackedWeight) and (packed.out_features, packed.in_features) == (
-            8,
-            4,
-        )
+        assert isinstance(packed, PackedWeight)
+        assert (packed.out_features, packed.in_features) == (8, 4)
     else:
         w = torch.randn(8, 4)
         assert type(linear) is Linear and linear.pack(w) is w
+
+
+@pytest.mark.parametrize("m", [0, 1, 7, 48, 300, 1024])
+def test_onednn_float32_linear_equals_f_linear(m: int) -> None:
+    linear = make_linear(CPU, torch.float32)
+    if not isinstance(linear, OneDNNLinear):
+        pytest.skip("this torch carries no oneDNN")
+    torch.manual_seed(m)
+    w = torch.randn(3072, 576)
+    x = torch.randn(m, 576)
+    got = linear(x, linear.pack(w))
+    assert got.shape == (m, 3072) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_other_dtypes_and_devices_keep_the_weights_as_loaded() -> None:
@@ -44,8 +59,8 @@ def test_other_dtypes_and_devices_keep_the_weights_as_loaded() -> None:
 
 
 def _mkl() -> MklPackedLinear:
-    linear = make_linear(CPU, torch.float32)
-    if not isinstance(linear, MklPackedLinear):
+    linear = _mkl_packed_linear()
+    if linear is None:
         pytest.skip("this torch carries no MKL packed GEMM")
     return linear
 
