@@ -42,6 +42,18 @@ class Linear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
+    def works(self) -> bool:
+        """float32 products from packed weights equal `F.linear`'s, to float32 rounding, at
+        batch sizes unlike the packing hint: the check that makes a packed path safe to pick."""
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(96, 80, generator=gen)
+        packed = self.pack(w)
+        for m in (1, 7, 64, 300):
+            x = torch.randn(m, 80, generator=gen)
+            if not torch.allclose(self(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5):
+                return False
+        return True
+
 
 class OneDNNLinear(Linear):
     """bfloat16 or float32 on CPU: each weight reordered once into oneDNN's layout at load."""
@@ -54,19 +66,6 @@ class OneDNNLinear(Linear):
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-    def works(self, dtype: torch.dtype) -> bool:
-        """Products equal `F.linear`'s, to the dtype's rounding, at batch sizes unlike the hint."""
-        gen = torch.Generator().manual_seed(0)
-        w = torch.randn(96, 80, generator=gen).to(dtype)
-        packed = self.pack(w)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        for m in (1, 7, 64, 300):
-            x = torch.randn(m, 80, generator=gen).to(dtype)
-            want = F.linear(x.float(), w.float())
-            if not torch.allclose(self(x, packed).float(), want, rtol=tol, atol=tol * 10):
-                return False
-        return True
 
 
 # CBLAS enum values (mkl_cblas.h).
@@ -147,18 +146,6 @@ class MklPackedLinear(Linear):
             )  # fmt: skip
         return out.view(*x.shape[:-1], n)
 
-    def works(self) -> bool:
-        """Packed products equal `F.linear`'s, to float32 rounding, at batch sizes unlike the
-        packing hint: the check that makes this path safe to pick."""
-        gen = torch.Generator().manual_seed(0)
-        w = torch.randn(96, 80, generator=gen)
-        packed = self.pack(w)
-        for m in (1, 7, 64, 300):
-            x = torch.randn(m, 80, generator=gen)
-            if not torch.allclose(self(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5):
-                return False
-        return True
-
 
 @functools.cache
 def _mkl_packed_linear() -> MklPackedLinear | None:
@@ -181,7 +168,7 @@ def _onednn_float32_linear() -> OneDNNLinear | None:
         return None
     linear = OneDNNLinear()
     try:
-        if linear.works(torch.float32):
+        if linear.works():
             return linear
     except RuntimeError:  # this oneDNN build refuses float32 weights
         pass
