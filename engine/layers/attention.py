@@ -154,6 +154,11 @@ class TorchAttentionBackend(AttentionBackend):
     MIN_SPLIT_TOKENS = 4096
     # Groups of whole prompts attend their own keys with a causal SDPA: no gather, no mask.
     CAUSAL_PROMPTS = True
+    # On a CPU each whole prompt attends alone, as its rows lie: SDPA's CPU kernel gains nothing
+    # from a batch dimension that a prompt's heads and query blocks do not already give it, and
+    # padding to the group's longest prompt costs its square. Four to five prompts of 100-768
+    # tokens took 1.3-1.8x longer padded into one call than one call each (docs/benchmarks.md).
+    FRESH_PROMPTS_ALONE_ON_CPU = True
     # A prompt chunk after cached context, alone in its group, attends that context and its own
     # keys in two SDPA calls without a mask, merged by their log-sum-exps (CPU only: the merge
     # needs the log-sum-exp that only the CPU flash kernel returns). With one mask over both,
@@ -178,14 +183,18 @@ class TorchAttentionBackend(AttentionBackend):
         if any(s.query_len == 1 for s in seqs[num_decodes:]):
             raise ValueError("decode requests must come before prefills in the batch")
         groups = []
-        split_chunks = self.SPLIT_CHUNKS and self.device.type == "cpu"
+        on_cpu = self.device.type == "cpu"
+        split_chunks = self.SPLIT_CHUNKS and on_cpu
+        prompts_alone = self.FRESH_PROMPTS_ALONE_ON_CPU and on_cpu
         kinds = ((0, num_decodes), (num_decodes, len(seqs)))
         for kind in kinds[1:] if self.DECODES_IN_KERNEL else kinds:
             for first, last in self._split(seqs, *kind):
                 for a, b in self._runs_of_fresh_prompts(seqs, first, last):
                     rows = seqs[a:b]
                     if self.CAUSAL_PROMPTS and _is_fresh_prompt(rows[0]):
-                        groups.append(self._fresh_group(a, b, seqs, query_start_loc))
+                        bounds = [(i, i + 1) for i in range(a, b)] if prompts_alone else [(a, b)]
+                        for lo, hi in bounds:
+                            groups.append(self._fresh_group(lo, hi, seqs, query_start_loc))
                     elif split_chunks and b - a == 1 and 1 < rows[0].query_len < rows[0].seq_len:
                         groups.append(self._chunk_group(a, seqs, query_start_loc, block_tables))
                     else:

@@ -1,6 +1,6 @@
 """The torch attention backend pads requests of similar length together: splitting a batch into
-more groups changes the work, not the result; whole prompts attend causally with no mask; the
-cpu backend (decodes in its C kernel) gives the same result."""
+more groups changes the work, not the result; whole prompts attend causally with no mask (on a
+CPU one by one); the cpu backend (decodes in its C kernel) gives the same result."""
 
 from __future__ import annotations
 
@@ -80,6 +80,20 @@ def test_whole_prompts_attend_causally_without_a_mask_and_agree() -> None:
     assert all(g.mask is None for g in causal.build_metadata(seqs, slots).groups)
     got, _ = _attend(causal, lengths)
     ref, _ = _attend(masked, lengths)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_prompts_on_a_cpu_attend_one_by_one_and_agree_with_the_padded_batch() -> None:
+    alone = TorchAttentionBackend(BLOCK, torch.device("cpu"))
+    padded = TorchAttentionBackend(BLOCK, torch.device("cpu"))
+    padded.FRESH_PROMPTS_ALONE_ON_CPU = False
+    lengths = [(1, 40), (100, 100), (120, 120), (150, 150), (190, 190)]  # one run of prompts
+    seqs, slots, _ = _batch(lengths)
+    prompts = [g for g in alone.build_metadata(seqs, slots).groups if g.mask is None]
+    assert [g.rows.stop - g.rows.start for g in prompts] == [100, 120, 150, 190]
+    assert len([g for g in padded.build_metadata(seqs, slots).groups if g.mask is None]) == 1
+    got, _ = _attend(alone, lengths)
+    ref, _ = _attend(padded, lengths)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
