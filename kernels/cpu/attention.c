@@ -33,12 +33,24 @@
 
 /* Ask for the next block while this one is computed on: blocks lie anywhere in the pool, so
  * the hardware prefetcher, which follows addresses, cannot guess where the next one is. Into
- * L2, not L1 (locality 2: prefetcht1): a block's 192 lines (float32) overflow L1's miss
- * buffers, and asking for them all into L1 stalled the current block's loads behind them;
- * into L2 a float32 decode read 15-16 GB/s of cold KV cache against 13 (docs/benchmarks.md). */
+ * L2, not L1 (locality 2: prefetcht1): a float32 block's 192 lines overflow L1's miss buffers.
+ * And not all at once: a burst of 192 prefetches stalled the loads of the block being computed
+ * on behind them, so that memory reads and arithmetic took turns. The AVX-512 routines ask for
+ * the next block's lines a few at a time, between their multiply-adds (prefetch_some): reading
+ * a cold cache, float32 decode went from 13 to 19-20 GB/s and bfloat16 from 10 to 17
+ * (docs/benchmarks.md). The portable loops ask for the whole block into L2. */
 static inline void prefetch_block(const void *start, int64_t bytes) {
     const char *p = (const char *)start;
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 2);
+}
+
+/* The AVX-512 routines ask for the next block a few lines at a time, between their
+ * multiply-adds, rather than all at once: the lines of it not yet asked for, per thread. */
+static __thread const char *prefetch_next, *prefetch_end;
+
+static inline ALWAYS_INLINE void prefetch_some(int lines) {
+    for (; lines > 0 && prefetch_next < prefetch_end; lines--, prefetch_next += 64)
+        __builtin_prefetch(prefetch_next, 0, 2);
 }
 
 /* Softmax of row[0..n) in place; returns nothing, leaves probabilities. */
@@ -100,6 +112,7 @@ static inline ALWAYS_INLINE void scores_16_d64(const float *keys, int64_t key_st
             const __m512 q3 = _mm512_loadu_ps(qs + h * 64 + 48);
             __m512 r[16];
             for (int t = 0; t < 16; t++) {
+                prefetch_some(2);
                 const float *k = kb + t * key_stride;
                 __m512 s = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
                 s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), s);
@@ -130,6 +143,7 @@ static inline ALWAYS_INLINE void values_heads_d64(int bf16, const void *vb, int6
     for (int i = 0; i < heads; i++)
         for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(acc + i * 64 + c * 16);
     for (int64_t t = 0; t < n; t++) {
+        prefetch_some(bf16 ? 2 : 4);
         const int64_t v = t * key_stride;
         const __m512 v0 = load_16(bf16, vb, v), v1 = load_16(bf16, vb, v + 16);
         const __m512 v2 = load_16(bf16, vb, v + 32), v3 = load_16(bf16, vb, v + 48);
@@ -182,6 +196,7 @@ static inline ALWAYS_INLINE void scores_16_d64_bf16(const uint16_t *keys, int64_
             const __m512bh q1 = (__m512bh)_mm512_loadu_si512(q + h * 64 + 32);
             __m512 r[16];
             for (int t = 0; t < 16; t++) {
+                prefetch_some(1);
                 const uint16_t *k = kb + t * key_stride;
                 const __m512 s =
                     _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(k));
@@ -237,15 +252,21 @@ static inline ALWAYS_INLINE void store_as(enum dtype dt, void *p, int64_t i, flo
 }
 
 /* The block of `table` holding token `start` of `cache`, where it lies in the pool, with the
- * next block, if the context has one, asked for ahead. */
+ * next block, if the context has one, asked for ahead: all at once, or (spread, for the
+ * AVX-512 routines) left to prefetch_some, after what is left of this block's lines. */
 static inline ALWAYS_INLINE const void *block_in_pool(enum dtype dt, const void *cache,
                                                       const int32_t *table, int64_t start,
                                                       int64_t len, int64_t block_size,
-                                                      int64_t key_stride) {
+                                                      int64_t key_stride, int spread) {
     const int64_t bytes = block_size * key_stride * (dt == BF16 ? 2 : 4);
     const char *pool = (const char *)cache;
-    if (start + block_size < len)
-        prefetch_block(pool + (int64_t)table[start / block_size + 1] * bytes, bytes);
+    if (spread) prefetch_block(prefetch_next, prefetch_end - prefetch_next);
+    prefetch_next = prefetch_end = NULL;
+    if (start + block_size < len) {
+        const char *next = pool + (int64_t)table[start / block_size + 1] * bytes;
+        if (spread) prefetch_next = next, prefetch_end = next + bytes;
+        else prefetch_block(next, bytes);
+    }
     return pool + (int64_t)table[start / block_size] * bytes;
 }
 
@@ -254,8 +275,9 @@ static inline ALWAYS_INLINE const void *block_in_pool(enum dtype dt, const void 
 static inline ALWAYS_INLINE const float *block_at(enum dtype dt, const void *cache,
                                                   const int32_t *table, int64_t start, int64_t n,
                                                   int64_t len, int64_t block_size,
-                                                  int64_t key_stride, float *wide) {
-    const void *block = block_in_pool(dt, cache, table, start, len, block_size, key_stride);
+                                                  int64_t key_stride, float *wide, int spread) {
+    const void *block =
+        block_in_pool(dt, cache, table, start, len, block_size, key_stride, spread);
     return dt == BF16 ? widen_bf16((const uint16_t *)block, n * key_stride, wide)
                       : widen_f32((const float *)block, n * key_stride, wide);
 }
@@ -365,6 +387,8 @@ static inline ALWAYS_INLINE void attend(const struct decode *a, enum dtype dt, i
     const int64_t group = num_heads / num_kv_heads;
     const int64_t key_stride = num_kv_heads * hd; /* between two keys of a block */
     const int64_t me = omp_get_thread_num();
+    const int spread = HAVE_AVX512 && hd == 64; /* prefetch_some in the AVX-512 routines */
+    prefetch_next = prefetch_end = NULL;
     float *scores = a->scratch + me * num_heads * max_len; /* [num_heads][max_len] */
     float *qs = a->scratch + threads * num_heads * max_len + me * 2 * num_heads * hd;
     float *acc = qs + num_heads * hd; /* [num_heads][hd] */
@@ -383,7 +407,7 @@ static inline ALWAYS_INLINE void attend(const struct decode *a, enum dtype dt, i
             int64_t t0 = 0; /* keys scored by bfloat16 dot products, 16 at a time */
             if (dt == BF16 && hd == 64 && HAVE_AVX512_BF16) {
                 const uint16_t *keys = (const uint16_t *)block_in_pool(
-                    dt, a->k_cache, table, start, len, block_size, key_stride);
+                    dt, a->k_cache, table, start, len, block_size, key_stride, spread);
                 const uint16_t *q = (const uint16_t *)a->q + seq * num_heads * hd;
                 for (; t0 + 16 <= n; t0 += 16)
                     scores_16_d64_bf16(keys + t0 * key_stride, key_stride, num_kv_heads, group,
@@ -391,7 +415,7 @@ static inline ALWAYS_INLINE void attend(const struct decode *a, enum dtype dt, i
             }
             if (t0 == n) continue;
             const float *block = block_at(dt, a->k_cache, table, start, n, len, block_size,
-                                          key_stride, wide); /* the rest, as float32 */
+                                          key_stride, wide, spread); /* the rest, as float32 */
             scores_block(block + t0 * key_stride, n - t0, key_stride, num_kv_heads, group, qs,
                          scores + start + t0, max_len, scale, hd);
         }
@@ -400,12 +424,12 @@ static inline ALWAYS_INLINE void attend(const struct decode *a, enum dtype dt, i
             const int64_t n = len - start < block_size ? len - start : block_size;
             if (dt == BF16 && HAVE_AVX512 && hd == 64) { /* values widened in registers */
                 values_block_d64(1, block_in_pool(dt, a->v_cache, table, start, len, block_size,
-                                                  key_stride),
+                                                  key_stride, spread),
                                  n, key_stride, num_kv_heads, group, scores + start, max_len, acc);
                 continue;
             }
-            const float *block =
-                block_at(dt, a->v_cache, table, start, n, len, block_size, key_stride, wide);
+            const float *block = block_at(dt, a->v_cache, table, start, n, len, block_size,
+                                          key_stride, wide, spread);
             values_block(block, n, key_stride, num_kv_heads, group, scores + start, max_len, acc,
                          hd);
         }
