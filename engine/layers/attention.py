@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,9 @@ class AttentionMetadata:
     groups: list[PaddedGroup]
     num_decodes: int = 0  # the first rows: one query token each
     max_decode_len: int = 0  # the longest context among them
+    # The cpu backend's prefill kernel: (request, its first row, its end row, its context_len)
+    # for each request after the decodes.
+    prefills: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def _is_fresh_prompt(s: SeqInfo) -> bool:
@@ -379,12 +382,15 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """Decodes through the C kernel, straight from the paged cache; prefills as `torch`.
+    """Attends through the C kernels, straight from the paged cache: decodes all in one call,
+    each prefill chunk in one call of its own.
 
     A decode reads every key and value of its context once: gathering them into a padded
     batch first, as `torch` does, writes and reads them all a second and a third time, and
-    decode attention is bound by that memory traffic. Prefill chunks stay with SDPA, whose
-    batched matmuls suit their many queries.
+    decode attention is bound by that memory traffic. A prefill chunk attends its cached
+    context and its own keys in one causal pass (query i at position context_len + i), where
+    SDPA needs two calls and a merge after a prefix; its register-tiled products ran 1.3-2x
+    faster than SDPA's flash kernel on this CPU (docs/benchmarks.md).
     """
 
     name = "cpu"
@@ -398,7 +404,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
         build.load()  # builds the kernels on first use; a missing compiler fails here
         self._decode = ops.decode_attention
+        self._prefill = ops.prefill_attention
         self.ops = CpuForwardOps()
+
+    def build_metadata(self, seqs: list[SeqInfo], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        meta = super().build_metadata(seqs, slot_mapping)
+        rows = meta.query_start_loc.tolist()
+        meta.prefills = [
+            (i, rows[i], rows[i + 1], s.seq_len - s.query_len)
+            for i, s in enumerate(seqs)
+            if i >= meta.num_decodes
+        ]
+        return meta
+
+    def _build_groups(self, seqs, num_decodes, query_start_loc, block_tables) -> list[PaddedGroup]:
+        return []  # no padded groups: every request goes to a kernel
 
     def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
         nd = meta.num_decodes
@@ -413,7 +433,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 max_len=meta.max_decode_len,
                 out=out[:nd],
             )
-        super()._attend_groups(q, k, v, k_cache, v_cache, meta, scale, out)
+        for i, first, last, context_len in meta.prefills:
+            self._prefill(
+                q[first:last].contiguous(),
+                k_cache,
+                v_cache,
+                meta.block_tables[i],
+                context_len,
+                scale,
+                out=out[first:last],
+            )
 
 
 class TritonAttentionBackend(AttentionBackend):

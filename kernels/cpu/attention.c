@@ -26,11 +26,6 @@
 #include "common.h"
 #include "kernels.h"
 
-/* Inlined at every call, even into several callers, so that what is a constant there (the
- * dtype, the head size, a number of heads) specialises the loops: written once, compiled per
- * case, as a C++ template would be. */
-#define ALWAYS_INLINE __attribute__((always_inline))
-
 /* Ask for the next block while this one is computed on: blocks lie anywhere in the pool, so
  * the hardware prefetcher, which follows addresses, cannot guess where the next one is. Into
  * L2, not L1 (locality 2: prefetcht1): a float32 block's 192 lines overflow L1's miss buffers.
@@ -51,23 +46,6 @@ static __thread const char *prefetch_next, *prefetch_end;
 static inline ALWAYS_INLINE void prefetch_some(int lines) {
     for (; lines > 0 && prefetch_next < prefetch_end; lines--, prefetch_next += 64)
         __builtin_prefetch(prefetch_next, 0, 2);
-}
-
-/* Softmax of row[0..n) in place; returns nothing, leaves probabilities. */
-static inline void softmax_row(float *row, int64_t n) {
-    float max = row[0];
-#pragma omp simd reduction(max : max)
-    for (int64_t t = 1; t < n; t++) max = row[t] > max ? row[t] : max;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; t++) {
-        const float p = exp_nonpositive(row[t] - max);
-        row[t] = p;
-        sum += p;
-    }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < n; t++) row[t] *= inv;
 }
 
 /* The two passes over one block for head_dim 64 in AVX-512, where the compiler has it. The
@@ -238,18 +216,6 @@ static inline void scores_16_d64_bf16(const uint16_t *keys, int64_t key_stride,
         (void)max_len, (void)scale;
 }
 #endif
-
-/* The cache's dtype: the kernel computes in float32 and widens bfloat16 where it reads it. */
-enum dtype { F32, BF16 };
-
-static inline ALWAYS_INLINE float load_as(enum dtype dt, const void *p, int64_t i) {
-    return dt == BF16 ? load_bf16((const uint16_t *)p + i) : load_f32((const float *)p + i);
-}
-
-static inline ALWAYS_INLINE void store_as(enum dtype dt, void *p, int64_t i, float f) {
-    if (dt == BF16) store_bf16((uint16_t *)p + i, f);
-    else store_f32((float *)p + i, f);
-}
 
 /* The block of `table` holding token `start` of `cache`, where it lies in the pool, with the
  * next block, if the context has one, asked for ahead: all at once, or (spread, for the

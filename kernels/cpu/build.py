@@ -47,6 +47,7 @@ COMMON = [
 # the sampler's (whose exponential vectorizes too).
 SOURCES = {
     "attention.c": ["-ffp-contract=fast", "-fno-trapping-math"],
+    "prefill_attention.c": ["-ffp-contract=fast", "-fno-trapping-math"],
     "norm.c": ["-ffp-contract=off"],
     "rotary.c": ["-ffp-contract=off"],
     "sampling.c": ["-ffp-contract=off", "-fno-trapping-math"],

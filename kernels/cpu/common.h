@@ -70,4 +70,39 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+/* Inlined at every call, even into several callers, so that what is a constant there (the
+ * dtype, the head size, a number of heads) specialises the loops: written once, compiled per
+ * case, as a C++ template would be. */
+#define ALWAYS_INLINE __attribute__((always_inline))
+
+/* A tensor's dtype, a constant at each call of an ALWAYS_INLINE function: the kernels compute
+ * in float32 and widen bfloat16 where they read it. */
+enum dtype { F32, BF16 };
+
+static inline ALWAYS_INLINE float load_as(enum dtype dt, const void *p, int64_t i) {
+    return dt == BF16 ? load_bf16((const uint16_t *)p + i) : load_f32((const float *)p + i);
+}
+
+static inline ALWAYS_INLINE void store_as(enum dtype dt, void *p, int64_t i, float f) {
+    if (dt == BF16) store_bf16((uint16_t *)p + i, f);
+    else store_f32((float *)p + i, f);
+}
+
+/* Softmax of row[0..n) in place; returns nothing, leaves probabilities. */
+static inline void softmax_row(float *row, int64_t n) {
+    float max = row[0];
+#pragma omp simd reduction(max : max)
+    for (int64_t t = 1; t < n; t++) max = row[t] > max ? row[t] : max;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        const float p = exp_nonpositive(row[t] - max);
+        row[t] = p;
+        sum += p;
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++) row[t] *= inv;
+}
+
 #endif

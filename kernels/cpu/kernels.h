@@ -25,6 +25,21 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint
                           int64_t head_dim, int64_t block_size, float scale, uint16_t *out,
                           float *scratch, int64_t max_len, int64_t num_threads);
 
+/* prefill_attention.c */
+/* Writes into *entries the float32 scratch entries a prefill_attention call needs. */
+int prefill_attention_scratch(int64_t keys, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t num_threads, int64_t *entries);
+int prefill_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                          const int32_t *block_table, int64_t context_len, int64_t num_queries,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, float *out, float *scratch,
+                          int64_t num_threads);
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int32_t *block_table, int64_t context_len, int64_t num_queries,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, uint16_t *out, float *scratch,
+                           int64_t num_threads);
+
 /* norm.c */
 int rms_norm_f32(const float *x, const float *residual, const float *weight, float eps,
                  float *out, float *sum_out, int64_t rows, int64_t hidden, int64_t num_threads);

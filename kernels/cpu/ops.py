@@ -108,6 +108,75 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scal
     return out
 
 
+# ---- prefill attention ------------------------------------------------------------------------
+def prefill_attention(
+    q: torch.Tensor,  # [num_queries, num_heads, head_dim]: one request's prompt chunk
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [>= blocks] int32: the request's blocks
+    context_len: int,  # keys cached before the chunk (0 for a whole prompt)
+    scale: float,
+    out: torch.Tensor | None = None,
+    library: dict | None = None,
+) -> torch.Tensor:  # [num_queries, num_heads, head_dim]
+    """Causal attention of one request's chunk of queries over its context and its own keys,
+    all read through its block table (the chunk's keys and values are already in the cache):
+    query i sits at position context_len + i."""
+    _check(q, k_cache, v_cache, dtype=q.dtype)
+    _check(block_table, dtype=torch.int32)
+    num_queries, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")  # fmt: skip
+    keys = context_len + num_queries
+    if block_table.dim() != 1 or block_table.numel() * block_size < keys:
+        raise ValueError(f"the block table must hold {keys} keys, has {block_table.numel()} "
+                         f"blocks of {block_size}")  # fmt: skip
+    kernels = library or load()
+    threads = torch.get_num_threads()
+    entries = ctypes.c_int64()
+    kernels["prefill_attention_scratch"].call(
+        keys=keys, num_kv_heads=num_kv_heads, head_dim=head_dim, num_threads=threads,
+        entries=ctypes.addressof(entries),
+    )  # fmt: skip
+    scratch = torch.empty(entries.value, dtype=torch.float32)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("out must be shaped and typed like q")
+    _check(out)
+    status = _kernel("prefill_attention", q.dtype, kernels)(
+        q=q.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+        block_table=block_table.data_ptr(), context_len=context_len, num_queries=num_queries,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, scale=scale, out=out.data_ptr(), scratch=scratch.data_ptr(),
+        num_threads=threads,
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads, "
+                         "or a length is out of range")  # fmt: skip
+    return out
+
+
+def prefill_attention_reference(q, k_cache, v_cache, block_table, context_len: int, scale: float):
+    """The same attention in torch's SDPA, in float32, with an explicit causal mask aligned at
+    the bottom right (query i sees keys 0 .. context_len + i)."""
+    import torch.nn.functional as F
+
+    num_queries, num_heads, _ = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    keys = context_len + num_queries
+    blocks = block_table[: -(-keys // block_size)].long()
+    k, v = (c[blocks].flatten(0, 1)[:keys].float().transpose(0, 1)[None] for c in (k_cache, v_cache))
+    seen = torch.arange(keys)[None, :] <= context_len + torch.arange(num_queries)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k, v, attn_mask=seen, scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # fmt: skip
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
 # ---- RMSNorm ----------------------------------------------------------------------------------
 def rms_norm(
     x: torch.Tensor,  # [rows, hidden]

@@ -1,5 +1,5 @@
 """The CPU kernels (kernels/cpu: C, built with the system compiler) against their references:
-decode attention from a paged cache, RMSNorm with and without its residual add, rotary on q
+decode attention and prefill attention from a paged cache, RMSNorm with and without its residual add, rotary on q
 and k read out of a fused QKV row. bfloat16 is emulated where the CPU lacks it: the kernels
 widen it to float32 themselves, so both dtypes run on every CPU. And their one ABI, kernels.h:
 the definitions, the ctypes signatures and the calls all agree with it, or fail."""
@@ -112,6 +112,48 @@ def test_decode_attention_fills_out_and_refuses_a_context_beyond_max_len():
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=["float32", "bfloat16"])
+# head_dim 64 runs the AVX-512 tiles where the CPU has them; 48 the portable loops. Blocks of
+# 16 and 32 keys; groups of 3 and 2 query heads, and none.
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 2, 64, 32), (4, 4, 48, 16)],
+)
+# (context_len, queries): a whole prompt of one token, of a partial work item, of several
+# items with a partial end; chunks after a context that ends inside a block and after a long
+# one, and a single query after context (a decode, as a prefill).
+@pytest.mark.parametrize(
+    ("context_len", "num_queries"), [(0, 1), (0, 13), (0, 77), (19, 40), (700, 200), (45, 1)]
+)
+def test_prefill_attention_matches_the_reference(
+    dtype, num_heads, num_kv_heads, head_dim, block_size, context_len, num_queries
+):
+    k_cache, v_cache, table, _ = _paged_context(
+        dtype, [context_len + num_queries], block_size, num_kv_heads, head_dim
+    )
+    q = torch.randn(num_queries, num_heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    got = ops.prefill_attention(q, k_cache, v_cache, table[0], context_len, scale)
+    want = ops.prefill_attention_reference(q, k_cache, v_cache, table[0], context_len, scale)
+    tol = {"atol": 2e-6, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_prefill_attention_portable_build_agrees_and_bad_arguments_are_refused(tmp_path):
+    portable = build.load_library(build.compile_library(build.HERE, tmp_path, ["-mno-avx512f"]))
+    k_cache, v_cache, table, _ = _paged_context(torch.float32, [130])
+    q = torch.randn(50, 9, 64)
+    out = torch.empty_like(q)
+    got = ops.prefill_attention(q, k_cache, v_cache, table[0], 80, 0.125, out=out, library=portable)
+    assert got is out
+    want = ops.prefill_attention_reference(q, k_cache, v_cache, table[0], 80, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    with pytest.raises(ValueError, match="must hold 150 keys"):  # 9 blocks: 144 keys
+        ops.prefill_attention(q, k_cache, v_cache, table[0], 100, 0.125)
+    with pytest.raises(ValueError, match="do not group"):
+        ops.prefill_attention(torch.randn(50, 8, 64), k_cache, v_cache, table[0], 80, 0.125)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add+norm"])
 def test_rms_norm_matches_transformers_op_for_op(dtype, with_residual):
     x = torch.randn(37, 576).to(dtype)
@@ -190,9 +232,9 @@ def _definitions(sources: Path) -> dict[str, build.Signature]:
 
 def test_the_ctypes_signatures_are_kernels_h_argument_by_argument():
     signatures = build.signatures(HEADER)
-    kinds = ("decode_attention", "rms_norm", "rotary")
+    kinds = ("decode_attention", "prefill_attention", "rms_norm", "rotary")
     per_dtype = [f"{k}_{s}" for k in kinds for s in ("f32", "bf16")]
-    others = ["decode_attention_paths", "top_k_top_p_f32"]
+    others = ["decode_attention_paths", "prefill_attention_scratch", "top_k_top_p_f32"]
     assert sorted(signatures) == sorted([*per_dtype, *others])
     attention = signatures["decode_attention_f32"]
     assert attention.params[10:13] == ("block_size", "scale", "out")
