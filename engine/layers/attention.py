@@ -3,8 +3,9 @@ tables (worker forward, stage 6). Each backend also carries the forward's other 
 rotary, SiLU-and-mul, engine/layers/ops.py) as `ops`.
 
 - `cpu`, the CPU default: decodes through a C kernel that reads each request's keys and values
-  straight from the paged cache, prefills as `torch`; RMSNorm (with its residual add) and rotary
-  are C kernels too (stepscope.kernels.cpu).
+  straight from the paged cache, and each prefill chunk through another that attends its cached
+  context and its own keys in one causal pass; RMSNorm (with its residual add) and rotary are C
+  kernels too (stepscope.kernels.cpu).
 - `torch`: the reference, in torch ops only (each request's context gathered, then SDPA).
 - `triton`: the kernels in stepscope.kernels (compiled on CUDA, interpreted on CPU), the CUDA
   default.

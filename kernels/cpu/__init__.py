@@ -1,2 +1,3 @@
-"""C kernels for the CPU worker (attention from the paged cache, RMSNorm, rotary), built on
-first use: `build.py` compiles and loads them, `ops.py` calls them from torch."""
+"""C kernels for the CPU worker (decode and prefill attention from the paged cache, RMSNorm,
+rotary, the sampler's top-k / top-p), built on first use: `build.py` compiles and loads them,
+`ops.py` calls them from torch."""

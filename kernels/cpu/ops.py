@@ -2,11 +2,12 @@
 
 Triton runs on a CPU only through its interpreter, far too slowly to serve, so the CPU path has
 kernels of its own in C (as vLLM's CPU backend has C++ ones): decode attention straight from
-the paged KV cache (`attention.c`), RMSNorm with its residual add (`norm.c`), rotary
-embedding (`rotary.c`) and the sampler's top-k / top-p (`sampling.c`, whose reference is the
-sampler's sorted one). Each function checks its tensors, calls the kernel with their data
-pointers on torch's threads, and returns torch tensors; float32 and bfloat16 only (the
-sampler's logits are float32).
+the paged KV cache (`attention.c`), prefill attention from it too (`prefill_attention.c`, whose
+reference is SDPA with the causal mask aligned at the chunk's end), RMSNorm with its residual
+add (`norm.c`), rotary embedding (`rotary.c`) and the sampler's top-k / top-p (`sampling.c`,
+whose reference is the sampler's sorted one). Each function checks its tensors, calls the
+kernel with their data pointers on torch's threads, and returns torch tensors; float32 and
+bfloat16 only (the sampler's logits are float32).
 """
 
 from __future__ import annotations
@@ -168,7 +169,9 @@ def prefill_attention_reference(q, k_cache, v_cache, block_table, context_len: i
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     keys = context_len + num_queries
     blocks = block_table[: -(-keys // block_size)].long()
-    k, v = (c[blocks].flatten(0, 1)[:keys].float().transpose(0, 1)[None] for c in (k_cache, v_cache))
+    k, v = (
+        c[blocks].flatten(0, 1)[:keys].float().transpose(0, 1)[None] for c in (k_cache, v_cache)
+    )
     seen = torch.arange(keys)[None, :] <= context_len + torch.arange(num_queries)[:, None]
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], k, v, attn_mask=seen, scale=scale,

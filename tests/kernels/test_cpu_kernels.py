@@ -1,8 +1,9 @@
 """The CPU kernels (kernels/cpu: C, built with the system compiler) against their references:
-decode attention and prefill attention from a paged cache, RMSNorm with and without its residual add, rotary on q
-and k read out of a fused QKV row. bfloat16 is emulated where the CPU lacks it: the kernels
-widen it to float32 themselves, so both dtypes run on every CPU. And their one ABI, kernels.h:
-the definitions, the ctypes signatures and the calls all agree with it, or fail."""
+decode attention and prefill attention from a paged cache, RMSNorm with and without its
+residual add, rotary on q and k read out of a fused QKV row. bfloat16 is emulated where the CPU
+lacks it: the kernels widen it to float32 themselves, so both dtypes run on every CPU. And
+their one ABI, kernels.h: the definitions, the ctypes signatures and the calls all agree with
+it, or fail."""
 
 from __future__ import annotations
 

@@ -102,7 +102,9 @@ def test_cpu_backend_gives_the_torch_backends_result() -> None:
     cpu = CpuAttentionBackend(BLOCK, torch.device("cpu"))
     meta = cpu.build_metadata(*_batch(LENGTHS)[:2])
     assert meta.num_decodes == 5 and meta.max_decode_len == 900
-    assert all(g.rows.start >= 5 for g in meta.groups)  # decodes go to the kernel
+    assert meta.groups == []  # decodes and prefills both go to kernels
+    # Each prefill: (request, first row, end row, context_len), rows after the 5 decodes.
+    assert meta.prefills == [(5, 5, 29, 0), (6, 29, 69, 260), (7, 69, 369, 0)]
     got, _ = _attend(cpu, LENGTHS)
     ref, _ = _attend(TorchAttentionBackend(BLOCK, torch.device("cpu")), LENGTHS)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
