@@ -143,7 +143,7 @@ _MODES: dict[str, tuple[Any, Any]] = {
     "output_range": ((64, 256), (2, 4)),
     "warmup_requests": (16, 1),
     "hf_batch_size": (32, 2),
-    "throughput_dtypes": (("float32",),) * 2,
+    "throughput_dtypes": (("float32", "bfloat16"),) * 2,
 }
 GPU_SIZES = Sizes(**{name: gpu for name, (gpu, _) in _MODES.items()})
 DRY_SIZES = Sizes(**{name: dry for name, (_, dry) in _MODES.items()})
@@ -289,10 +289,12 @@ def environment(ctx: Context, step: Step) -> None:
         f"pyzmq {_installed_version('pyzmq')}"
     )
     ctx.header["commit"] = _git_commit()
+    ctx.header["cpu"] = _cpu_summary()
     step.log(f"date: {ctx.header['date']}")
     step.log(f"device: {ctx.header['device']}")
     step.log(f"versions: {ctx.header['versions']}")
     step.log(f"commit: {ctx.header['commit']}")
+    step.log(f"host CPU: {ctx.header['cpu']}")
     step.log(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(unset)')}")
     for note in ctx.setup_notes:
         step.log(note)
@@ -303,6 +305,25 @@ def environment(ctx: Context, step: Step) -> None:
     for module in CARRIED_MODULES:
         if importlib.util.find_spec(module) is None:
             step.fail(f"{module} is missing: carry its wheel in .whl/ (docs/gpu-check.md)")
+
+
+def _cpu_summary() -> str:
+    """The host CPU's model, its core count and the vector and matrix features the CPU kernels
+    choose between (recorded so that CPU numbers measured on this machine can be placed)."""
+    from stepscope.engine.config import cpu_flags
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = cpu_flags()
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    features = " ".join(f"{f}{'+' if f in flags else '-'}" for f in wanted)
+    return f"{model}, {os.cpu_count()} cores, {features}"
 
 
 def _git_commit() -> str:
@@ -937,6 +958,7 @@ def report(ctx: Context, steps: list[Step], total_s: float) -> str:
         f"- mode: {mode}",
         f"- versions: {h.get('versions', '?')}",
         f"- commit: {h.get('commit', '?')}",
+        f"- host CPU: {h.get('cpu', '?')}",
         f"- result: {'every check passed' if not failed else 'FAILED: ' + '; '.join(failed)}"
         f" ({total_s:.0f} s in all)",
         "",
