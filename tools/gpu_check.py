@@ -6,7 +6,8 @@ written out as one dated markdown section.
 
 It runs from the repository root with nothing installed but the device machine's own packages.
 The `stepscope` package is put together in a temporary folder from symlinks to this checkout, and
-the wheels in `.whl/` (msgspec and pyzmq, which the device lacks) are installed there, offline.
+the wheels in `.whl/` (msgspec, pyzmq, OpenTelemetry and duckdb, which the device lacks) are
+installed there, offline.
 `--dry-run` runs the same code on CPU, through Triton's interpreter, with tiny shapes, so that the
 script can be checked on a machine without a GPU; its timings mean nothing. See docs/gpu-check.md.
 """
@@ -39,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_FOLDERS = ("engine", "kernels", "traces", "viz")
 DEFAULT_OUT = ROOT / "docs" / "gpu-results.md"
 THIS_TEST = "tests/tools/test_gpu_check.py"  # runs this script: never from step 2
-CARRIED_MODULES = ("msgspec", "zmq")  # the engine imports them; the device has neither
+# The engine imports them; the device has none of them (their wheels travel in .whl/).
+CARRIED_MODULES = ("msgspec", "zmq", "opentelemetry.sdk", "duckdb")
 
 # SmolLM2-135M's shape: throughput depends on the shape, not on the weights.
 SMOLLM2_SHAPE = dict(
@@ -303,7 +305,11 @@ def environment(ctx: Context, step: Step) -> None:
     if where != ctx.tmp / "stepscope":
         step.fail(f"stepscope should come from the assembled package in {ctx.tmp}")
     for module in CARRIED_MODULES:
-        if importlib.util.find_spec(module) is None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a dotted name whose parent is missing
+            found = False
+        if not found:
             step.fail(f"{module} is missing: carry its wheel in .whl/ (docs/gpu-check.md)")
 
 
