@@ -21,6 +21,7 @@ import platform
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -377,6 +378,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"length ranges must satisfy 1 <= min <= max, got {low}-{high}")
     if (args.url is None) == (args.tracing is None):
         raise ValueError("give either --url (a running server) or --tracing (servers started here)")
+    alternating(["server"], args.repeat)  # checks --repeat before any request is sent
     if args.tracing is None:
         return []
     settings = [t.strip() for t in args.tracing.split(",")]
@@ -386,7 +388,6 @@ def _check_args(args: argparse.Namespace) -> list[str]:
             f"--tracing takes distinct values among {', '.join(TRACING_SETTINGS)}, "
             f"got {args.tracing!r}"
         )
-    alternating(settings, args.repeat)  # checks --repeat before any server starts
     return settings
 
 
@@ -420,6 +421,10 @@ def bench_serve(args: argparse.Namespace) -> None:
         for field in ("max_num_batched_tokens", "max_num_seqs"):  # the server's own budget
             if getattr(args, field) is None and field in served:
                 setattr(args, field, served[field])
+    if dtype == "auto":  # what the servers started here resolve it to, named in the report
+        from stepscope.engine.config import auto_dtype, checkpoint_dtype
+
+        dtype = auto_dtype(checkpoint_dtype(resolve_model(model)), "cpu")[0]
     try:
         vocab_size = load_config(resolve_model(args.tokenizer or model))["vocab_size"]
     except ValueError as e:
@@ -443,34 +448,83 @@ def bench_serve(args: argparse.Namespace) -> None:
         f"{args.min_output}-{args.max_output} ({workload.num_output_tokens} in all), greedy, "
         "ignore_eos, streamed"
     )
-    if settings:
-        results = compare_tracing(model, workload, settings, args)
-        res = results[settings[0]][0]
-    else:
-        res = run_bench_serve(
-            args.url,
-            workload,
-            args.concurrency,
-            args.request_rate,
-            args.api_key,
-            model,
-            args.seed,
-            args.reset_prefix_cache,
-        )
-        print(format_result(res))
-        _notes(res, workload)
-    if not args.compare_offline:
-        return
-    # Only now, with the server idle, so that the two never share the cores.
-    from stepscope.engine.bench.offline import run_stepscope
+    offline_s: list[float] = []  # the offline engine's seconds, one per run
 
-    print(f"{' Offline engine, same workload, ' + dtype + ' ':=^50}")
-    elapsed, _ = run_stepscope(model, workload, args, dtype=dtype)
-    offline = workload.num_output_tokens / elapsed
-    print(f"{'Offline duration (s):':<40} {elapsed:<10.2f}")
-    print(f"{'Offline output token throughput (tok/s):':<40} {offline:<10.2f}")
-    print(f"{'Ratio server / offline output tok/s:':<40} {res.output_throughput / offline:.3f}x")
-    print("=" * 50)
+    def offline_run(rep: int) -> None:
+        # Only with no server running, so that the two never share the cores.
+        from stepscope.engine.bench.offline import run_stepscope
+
+        elapsed, _ = run_stepscope(model, workload, args, dtype=dtype)
+        offline_s.append(elapsed)
+        print(
+            f"offline {dtype} run {rep + 1}: {elapsed:7.1f} s  "
+            f"{workload.num_output_tokens / elapsed:6.1f} output tok/s",
+            flush=True,
+        )
+
+    offline = offline_run if args.compare_offline else None
+    if settings:
+        served = compare_tracing(model, workload, settings, args, offline)[settings[0]]
+    else:
+        served = []
+        for rep, setting in alternating(["server", "offline"][: 1 + bool(offline)], args.repeat):
+            if setting == "offline":
+                offline_run(rep)
+                continue
+            res = run_bench_serve(
+                args.url,
+                workload,
+                args.concurrency,
+                args.request_rate,
+                args.api_key,
+                model,
+                args.seed,
+                # A replay would find every prompt in the prefix cache.
+                args.reset_prefix_cache or rep > 0,
+            )
+            served.append(res)
+            if args.repeat > 1:
+                print(_run_line(f"server run {rep + 1}:", res), flush=True)
+                _notes(res, workload)
+        print(format_result(served[0]))
+        if args.repeat == 1:
+            _notes(served[0], workload)
+    if offline:
+        print(format_offline(served, offline_s, workload.num_output_tokens, dtype))
+
+
+def _run_line(label: str, res: BenchResult) -> str:
+    return (
+        f"{label:<24} {res.duration_s:7.1f} s  {res.output_throughput:6.1f} output tok/s  "
+        f"TTFT p50 {res.ttft.median_ms:7.0f} ms  TPOT p50 {res.tpot.median_ms:5.0f} ms  "
+        f"failed {res.failed}"
+    )
+
+
+def format_offline(
+    served: list[BenchResult], offline_s: list[float], num_tokens: int, dtype: str
+) -> str:
+    """The server's output throughput against the offline engine's, run by run (the runs
+    alternate, so that a machine drifting during the benchmark favours neither), then over all
+    runs: all tokens over all seconds, each side."""
+    lines = [f"{' Server against offline, same workload, ' + dtype + ' ':=^50}"]
+    for i, (res, seconds) in enumerate(zip(served, offline_s, strict=True)):
+        ratio = res.output_throughput / (num_tokens / seconds)
+        lines.append(
+            f"run {i + 1}: server {res.output_throughput:6.1f}, offline "
+            f"{num_tokens / seconds:6.1f} output tok/s: {ratio:.3f}x"
+        )
+    server_tok_s = sum(r.total_output_tokens for r in served) / sum(r.duration_s for r in served)
+    offline_tok_s = num_tokens * len(offline_s) / sum(offline_s)
+    over = f" (over {len(offline_s)} runs)" if len(offline_s) > 1 else ""
+    lines += [
+        f"{'Offline duration (s):':<40} {sum(offline_s) / len(offline_s):<10.2f}",
+        f"{'Offline output token throughput (tok/s):':<40} {offline_tok_s:<10.2f}",
+        f"{'Server output token throughput (tok/s):':<40} {server_tok_s:<10.2f}",
+        f"{'Ratio server / offline output tok/s:':<40} {server_tok_s / offline_tok_s:.3f}x{over}",
+        "=" * 50,
+    ]
+    return "\n".join(lines)
 
 
 def _notes(res: BenchResult, workload: Workload) -> None:
@@ -508,18 +562,27 @@ def _count_spans(trace_db: Path) -> int:
 
 
 def compare_tracing(
-    model: str, workload: Workload, settings: list[str], args: argparse.Namespace
+    model: str,
+    workload: Workload,
+    settings: list[str],
+    args: argparse.Namespace,
+    offline: Callable[[int], None] | None = None,
 ) -> dict[str, list[BenchResult]]:
     """One fresh `stepscope serve` per tracing setting, the workload against each in turn.
 
-    With `--repeat N` the order alternates (`alternating`). Prints each run, then each
+    With `--repeat N` the order alternates (`alternating`). `offline(run)`, if given, takes its
+    turn in that order as one more setting, while no server runs. Prints each run, then each
     setting's output tok/s over all its runs and its ratio to the first setting.
     """
     from stepscope.engine.entrypoints.serve import ServerProcess
 
     results: dict[str, list[BenchResult]] = {s: [] for s in settings}
     folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-serve-"))
-    for rep, setting in alternating(settings, args.repeat):
+    order = settings + ["offline"] if offline else settings
+    for rep, setting in alternating(order, args.repeat):
+        if setting == "offline":
+            offline(rep)
+            continue
         trace_db = folder / f"{setting}-{rep}.duckdb"
         server = ServerProcess(*_server_args(args, model, setting, trace_db))
         try:
@@ -538,12 +601,7 @@ def compare_tracing(
         spans = ""
         if setting != "off":
             spans = f", {_count_spans(trace_db)} spans in its trace file"
-        print(
-            f"tracing {setting:<8} run {rep + 1}: {res.duration_s:7.1f} s  "
-            f"{res.output_throughput:6.1f} output tok/s  TTFT p50 {res.ttft.median_ms:7.0f} ms"
-            f"  TPOT p50 {res.tpot.median_ms:5.0f} ms  failed {res.failed}{spans}",
-            flush=True,
-        )
+        print(_run_line(f"tracing {setting:<8} run {rep + 1}:", res) + spans, flush=True)
         _notes(res, workload)
     print(format_result(results[settings[0]][0]))
     base = settings[0]

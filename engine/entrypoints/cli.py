@@ -350,7 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of --url: start a server per setting (off, requests, on; e.g. off,on), "
         "run the workload against each in turn and print their throughput ratio",
     )
-    p.add_argument("--repeat", type=int, default=1, help="with --tracing: runs per setting")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each side (each tracing setting, the server, the offline engine), in "
+        "alternating order; a replay against --url empties its prefix cache first",
+    )
     p.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
@@ -381,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-offline",
         action="store_true",
-        help="then run the workload through LLM(...) here and print server / offline tok/s",
+        help="also run the workload through LLM(...) here, in turn with the server, and print "
+        "server / offline tok/s, run by run and over all runs",
     )
     p.set_defaults(func=_bench_serve, executor="uni")
 

@@ -89,16 +89,33 @@ def _bench_cli(tree, *args: str) -> subprocess.CompletedProcess:
     return tree.run(cmd, timeout=600)
 
 
+SMALL_WORKLOAD = (
+    "--model", "tiny-llama", "--num-requests", "6", "--min-prompt", "8", "--max-prompt", "40",
+    "--min-output", "4", "--max-output", "12", "--concurrency", "3",
+)  # fmt: skip
+
+
+def offline_ratios(stdout: str) -> tuple[list[float], float]:
+    """`--compare-offline`'s ratios: run by run, then over all runs."""
+    runs = [float(r) for r in re.findall(r"run \d+: server .* output tok/s: (\d+\.\d+)x", stdout)]
+    over = re.search(r"Ratio server / offline output tok/s:\s+(\d+\.\d+)x", stdout)
+    assert over is not None, stdout
+    return runs, float(over.group(1))
+
+
 def test_tracing_off_and_on_side_by_side_in_one_run(tmp_path, process_tree) -> None:
     """`--tracing off,on` starts a server per setting, replays the workload on each, and prints
-    the ratio; the traced server's file holds its spans. (The order of `--repeat` runs is
+    the ratio; the traced server's file holds its spans. `--compare-offline` runs the offline
+    engine in turn, after both servers have stopped. (The order of `--repeat` runs is
     `alternating`'s, tested below without a server: each run costs a server start.)"""
     out = _bench_cli(
-        process_tree, "--tracing", "off,on", "--repeat", "1", "--model", "tiny-llama",
-        "--num-requests", "6", "--min-prompt", "8", "--max-prompt", "40",
-        "--min-output", "4", "--max-output", "12", "--concurrency", "3",
-    )  # fmt: skip
+        process_tree, "--tracing", "off,on", "--repeat", "1", "--compare-offline", *SMALL_WORKLOAD
+    )
     assert out.returncode == 0, out.stderr[-3000:]
+    order = re.findall(r"^(tracing off|tracing on|offline float32)\s+run 1:", out.stdout, re.M)
+    assert order == ["tracing off", "tracing on", "offline float32"], out.stdout
+    runs, over = offline_ratios(out.stdout)
+    assert len(runs) == 1 and runs[0] == over > 0
     runs = re.findall(r"tracing (off|on)\s+run (\d): .* failed (\d+)(.*)", out.stdout)
     assert [(s, r) for s, r, _, _ in runs] == [("off", "1"), ("on", "1")]
     assert all(failed == "0" for _, _, failed, _ in runs)
@@ -109,6 +126,26 @@ def test_tracing_off_and_on_side_by_side_in_one_run(tmp_path, process_tree) -> N
             assert int(spans.group(1)) > 6 * 4
     ratio = re.search(r"ratio tracing on / off: (\d+\.\d+)x", out.stdout)
     assert ratio is not None and float(ratio.group(1)) > 0, out.stdout
+
+
+def test_repeated_comparison_with_offline_alternates_and_empties_the_prefix_cache(
+    server, process_tree
+) -> None:
+    """Against a running server, `--repeat 2 --compare-offline` runs server, offline, offline,
+    server; the second replay finds nothing in the prefix cache, so both do the same work."""
+    out = _bench_cli(
+        process_tree, "--url", server.url, "--repeat", "2", "--compare-offline", *SMALL_WORKLOAD
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    order = re.findall(r"^(server|offline float32) run (\d):", out.stdout, re.M)
+    assert order == [
+        ("server", "1"), ("offline float32", "1"), ("offline float32", "2"), ("server", "2")
+    ], out.stdout  # fmt: skip
+    # (Earlier tests' prompts may share a first block with the first run's.)
+    assert "prefix cache skipped" not in out.stdout.split("server run 2:")[1]
+    runs, over = offline_ratios(out.stdout)
+    # All tokens over all seconds, each side: a mediant of the runs' ratios, so between them.
+    assert len(runs) == 2 and min(runs) - 2e-3 <= over <= max(runs) + 2e-3
 
 
 def test_repeats_alternate_the_order_so_that_no_setting_always_runs_first() -> None:
