@@ -507,7 +507,7 @@ def format_offline(
     """The server's output throughput against the offline engine's, run by run (the runs
     alternate, so that a machine drifting during the benchmark favours neither), then over all
     runs: all tokens over all seconds, each side."""
-    lines = [f"{' Server against offline, same workload, ' + dtype + ' ':=^50}"]
+    lines = [f"{' Server against offline, ' + dtype + ' ':=^50}"]
     for i, (res, seconds) in enumerate(zip(served, offline_s, strict=True)):
         ratio = res.output_throughput / (num_tokens / seconds)
         lines.append(
