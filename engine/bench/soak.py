@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from stepscope.engine.bench.serve import served_model, stream_completion
+from stepscope.engine.bench.serve import CompletionStreams, served_model, stream_completion
 
 CANARY_PROMPT = "The soak canary: count the stars one by one, and say"
 HOSTILE_BODIES: list[tuple[str, dict]] = [
@@ -177,6 +177,7 @@ def round_prompts(rng: random.Random, count: int, max_len: int) -> list[list[int
 
 async def soak_round(
     client: httpx.AsyncClient,
+    streams: CompletionStreams,
     model: str,
     index: int,
     args: argparse.Namespace,
@@ -190,7 +191,7 @@ async def soak_round(
     outputs = [rng.randint(8, args.max_output) for _ in prompts]
     # Everything at once: streams, disconnects and aborts compete for the same small pool.
     streams = [
-        stream_completion(client, model, i, p, n)
+        stream_completion(streams, model, i, p, n)
         for i, (p, n) in enumerate(zip(prompts, outputs, strict=True))
     ]
     cuts = [disconnect_after(client, model, p, 3) for p in cut[: args.disconnects]]
@@ -235,14 +236,17 @@ async def soak_round(
 async def soak_async(args: argparse.Namespace) -> list[RoundReport]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-    async with httpx.AsyncClient(
-        base_url=args.url.rstrip("/"), headers=headers, timeout=300, limits=limits
-    ) as client:
+    async with (
+        httpx.AsyncClient(
+            base_url=args.url.rstrip("/"), headers=headers, timeout=300, limits=limits
+        ) as client,
+        CompletionStreams(args.url, headers) as streams,
+    ):
         model = args.model or await served_model(client)
         reference = await canary_tokens(client, model)  # on the quiet server, before any load
         reports = []
         for index in range(1, args.rounds + 1):
-            rep, _ = await soak_round(client, model, index, args, reference)
+            rep, _ = await soak_round(client, streams, model, index, args, reference)
             print(rep.line(), flush=True)
             for problem in rep.problems[:10]:
                 print(f"  problem: {problem}", flush=True)

@@ -188,23 +188,32 @@ def test_ttft_counts_from_the_first_chunk_that_carries_text() -> None:
     import asyncio
     import json
 
-    import httpx
+    from aiohttp import web
 
-    from stepscope.engine.bench.serve import stream_completion
+    from stepscope.engine.bench.serve import CompletionStreams, stream_completion
 
-    async def body():
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
         for text, delay in (("", 0.0), ("Hi", 0.3), (" there", 0.05)):
             await asyncio.sleep(delay)
-            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': text}]})}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+            chunk = {"choices": [{"index": 0, "text": text}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
 
     async def run():
-        transport = httpx.MockTransport(handler)
-        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
-            return await stream_completion(client, "m", 0, [1, 2, 3], 2)
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            host, port = runner.addresses[0][:2]
+            async with CompletionStreams(f"http://{host}:{port}") as streams:
+                return await stream_completion(streams, "m", 0, [1, 2, 3], 2)
+        finally:
+            await runner.cleanup()
 
     res = asyncio.run(run())
     assert res.success and res.output_tokens == 2
