@@ -23,7 +23,7 @@ import time
 import httpx
 
 from stepscope.engine.bench.offline import make_workload
-from stepscope.engine.bench.serve import run_bench_serve
+from stepscope.engine.bench.serve_client import run_bench_serve
 from stepscope.engine.models.loader import (
     DEFAULT_MODEL,
     load_config,

@@ -314,9 +314,9 @@ def environment(ctx: Context, step: Step) -> None:
 
 
 def _cpu_summary() -> str:
-    """The host CPU's model, its core count and the vector and matrix features the CPU kernels
-    choose between (recorded so that CPU numbers measured on this machine can be placed)."""
-    from stepscope.engine.config import cpu_flags
+    """The host CPU's model, its core count and the features the CPU kernels choose between
+    (recorded so that CPU numbers measured on this machine can be placed)."""
+    from stepscope.engine.bench.offline import cpu_matmul_features
 
     model = platform.processor() or platform.machine()
     try:
@@ -326,10 +326,7 @@ def _cpu_summary() -> str:
                 break
     except OSError:
         pass
-    flags = cpu_flags()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    features = " ".join(f"{f}{'+' if f in flags else '-'}" for f in wanted)
-    return f"{model}, {os.cpu_count()} cores, {features}"
+    return f"{model}, {os.cpu_count()} cores, {cpu_matmul_features()}"
 
 
 def _git_commit() -> str:

@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from stepscope.engine.bench.serve import CompletionStreams, served_model, stream_completion
+from stepscope.engine.bench.serve_client import (
+    CompletionStreams,
+    served_model,
+    stream_completion,
+)
 
 CANARY_PROMPT = "The soak canary: count the stars one by one, and say"
 HOSTILE_BODIES: list[tuple[str, dict]] = [
@@ -190,7 +194,7 @@ async def soak_round(
     cut = round_prompts(rng, args.disconnects + args.aborts, args.max_prompt)
     outputs = [rng.randint(8, args.max_output) for _ in prompts]
     # Everything at once: streams, disconnects and aborts compete for the same small pool.
-    streams = [
+    stream_calls = [
         stream_completion(streams, model, i, p, n)
         for i, (p, n) in enumerate(zip(prompts, outputs, strict=True))
     ]
@@ -199,16 +203,16 @@ async def soak_round(
     preemptions_before = (await metrics(client))["preemptions"]
     # The canary runs amid the load too: preempted or not, its greedy tokens must not change.
     loaded_canary, *results = await asyncio.gather(
-        canary_tokens(client, model), *streams, *cuts, *aborts
+        canary_tokens(client, model), *stream_calls, *cuts, *aborts
     )
-    stream_results = results[: len(streams)]
-    rep.streams_sent = len(streams)
+    stream_results = results[: len(stream_calls)]
+    rep.streams_sent = len(stream_calls)
     for r in stream_results:  # nothing lost: each stream got every token it asked for
         if r.success and r.output_tokens != outputs[r.index]:
             r.success, r.error = False, f"{r.output_tokens} of {outputs[r.index]} tokens"
     rep.streams_ok = sum(r.success for r in stream_results)
-    rep.disconnects = sum(results[len(streams) : len(streams) + len(cuts)])
-    rep.aborts = sum(results[len(streams) + len(cuts) :])
+    rep.disconnects = sum(results[len(stream_calls) : len(stream_calls) + len(cuts)])
+    rep.aborts = sum(results[len(stream_calls) + len(cuts) :])
     for r in stream_results:
         if not r.success:
             rep.problems.append(f"stream {r.index}: {r.error}")

@@ -8,7 +8,12 @@ import subprocess
 import pytest
 
 from stepscope.engine.bench.offline import Workload, alternating, make_workload
-from stepscope.engine.bench.serve import BenchResult, LatencyStats, format_result, run_bench_serve
+from stepscope.engine.bench.serve_client import (
+    BenchResult,
+    LatencyStats,
+    format_result,
+    run_bench_serve,
+)
 from stepscope.engine.models.loader import load_config, resolve_model
 from tests.server_utils import CLI, Server
 
@@ -190,7 +195,7 @@ def test_ttft_counts_from_the_first_chunk_that_carries_text() -> None:
 
     from aiohttp import web
 
-    from stepscope.engine.bench.serve import CompletionStreams, stream_completion
+    from stepscope.engine.bench.serve_client import CompletionStreams, stream_completion
 
     async def handler(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
