@@ -104,17 +104,41 @@ def test_the_tracing_library_imports_nothing_of_the_trace_backend():
 
 
 def test_the_engine_imports_the_dashboard_only_lazily_from_the_cli():
-    """engine/ is below viz/; the `stepscope` command line starts the dashboard, importing it
-    inside the command's function, so no engine process loads Panel."""
+    """engine/ is below viz/; the `stepscope` command line (engine/entrypoints/cli/) starts the
+    dashboard, importing it inside a function, so no engine process loads Panel."""
+    cli = "engine/entrypoints/cli/"
     found = _violations(_sources("engine"), ("stepscope.viz",))
-    cli = "engine/entrypoints/cli.py"
-    assert [v for v in found if not v.startswith(cli + ":")] == []
-    top_level = {
-        node.lineno
-        for node in ast.parse((ROOT / cli).read_text()).body
-        if isinstance(node, ast.Import | ast.ImportFrom)
-    }
-    assert [v for v in found if int(v.split(":")[1].split()[0]) in top_level] == []
+    assert [v for v in found if not v.startswith(cli)] == []
+    for path in _sources(cli):
+        top_level = {
+            node.lineno
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.Import | ast.ImportFrom)
+        }
+        eager = [v for v in _violations([path], ("stepscope.viz",)) if _line(v) in top_level]
+        assert eager == []
+
+
+def _line(violation: str) -> int:
+    return int(violation.split(":")[1].split()[0])
+
+
+def test_every_cli_module_is_a_subcommand_family_the_top_parser_registers():
+    """One module per subcommand family (as vLLM's entrypoints/cli/): main.py's `FAMILIES` names
+    each of them, so a new family cannot be written and left out of `stepscope --help`."""
+    folder = ROOT / "engine" / "entrypoints" / "cli"
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__", "__main__", "main"}
+    tree = ast.parse((folder / "main.py").read_text())
+    families = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["FAMILIES"]
+    )
+    assert {e.id for e in families.elts} == modules
+    for module in modules:
+        body = ast.parse((folder / f"{module}.py").read_text()).body
+        functions = {n.name for n in body if isinstance(n, ast.FunctionDef)}
+        assert "register" in functions, f"cli/{module}.py has no register(sub)"
 
 
 @pytest.mark.parametrize("path", UNTRACED)

@@ -1,0 +1,72 @@
+"""`stepscope trace ...`: read a finished run's trace file (or a running collector)."""
+
+from __future__ import annotations
+
+import argparse
+
+TRACE = "a trace file, or a running collector's URL"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    trace = sub.add_parser("trace", help="read a finished run's trace file")
+    trace_sub = trace.add_subparsers(dest="trace", required=True)
+    p = trace_sub.add_parser("summary", help="span counts, crossings, steps and latencies")
+    p.add_argument("path")
+    p.set_defaults(func=_trace_summary)
+    p = trace_sub.add_parser("request", help="one request's path and the steps that served it")
+    p.add_argument("path")
+    p.add_argument("request_id")
+    p.set_defaults(func=_trace_request)
+    p = trace_sub.add_parser(
+        "explain", help="why a request (default: the slowest) took as long as it did"
+    )
+    p.add_argument("path", metavar="TRACE", help=TRACE)
+    p.add_argument("request_id", nargs="?", default=None, help="default: the slowest request")
+    p.add_argument("--json", action="store_true", help="the answer as JSON")
+    p.set_defaults(func=_trace_explain)
+    p = trace_sub.add_parser("slowest", help="the slowest requests, each with its largest part")
+    p.add_argument("path", metavar="TRACE", help=TRACE)
+    p.add_argument("-n", type=int, default=10, help="how many (default 10)")
+    p.set_defaults(func=_trace_slowest)
+    p = trace_sub.add_parser(
+        "export", help="a timeline file for Perfetto UI (ui.perfetto.dev) or chrome://tracing"
+    )
+    p.add_argument("path", metavar="TRACE", help=TRACE)
+    p.add_argument(
+        "--format",
+        choices=["chrome"],
+        default="chrome",
+        help="chrome: Chrome trace-event JSON (the JSON Object Format)",
+    )
+    p.add_argument("-o", "--output", required=True, help="the file to write, e.g. run.json")
+    p.set_defaults(func=_trace_export)
+
+
+def _trace_summary(args: argparse.Namespace) -> None:
+    from stepscope.traces.backend.cli import trace_summary
+
+    trace_summary(args.path)
+
+
+def _trace_request(args: argparse.Namespace) -> int:
+    from stepscope.traces.backend.cli import trace_request
+
+    return trace_request(args.path, args.request_id)
+
+
+def _trace_explain(args: argparse.Namespace) -> int:
+    from stepscope.traces.backend.cli import trace_explain
+
+    return trace_explain(args.path, args.request_id, as_json=args.json)
+
+
+def _trace_slowest(args: argparse.Namespace) -> int:
+    from stepscope.traces.backend.cli import trace_slowest
+
+    return trace_slowest(args.path, args.n)
+
+
+def _trace_export(args: argparse.Namespace) -> None:
+    from stepscope.traces.backend.cli import trace_export
+
+    trace_export(args.path, args.output, args.format)
