@@ -1,12 +1,25 @@
-"""Engine configuration: validated dataclasses and vLLM's device-tier defaults."""
+"""Engine configuration: one typed `EngineConfig` in five parts, as vLLM's `VllmConfig` groups
+them, and vLLM's device-tier defaults.
+
+`EngineConfig.create(**flat)` is the one builder: it takes the flat names a user knows
+(`max_num_seqs`, `tensor_parallel_size`, ...), fills in what depends on the device, validates
+everything once and returns a frozen struct that is sent whole to every process (msgspec). What
+is found at run time (the collector's address) travels beside it in `Endpoints`, never inside.
+The CLI's engine flags and `LLM`'s keywords are generated from the fields below
+(engine/engine_args.py): a field's `Meta(description=...)` is its flag's help.
+"""
 
 from __future__ import annotations
 
+import difflib
 import json
-from dataclasses import dataclass
+import os
 from pathlib import Path
+from typing import Annotated, Any
 
+import msgspec
 import torch
+from msgspec import Meta, field
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The CPU flags that make bfloat16 matmul native rather than emulated.
@@ -77,161 +90,42 @@ def device_tier_defaults(device: str, offline: bool) -> tuple[int, int]:
     return (1024, 128) if offline else (512, 64)
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    model: str = "smollm2-135m-instruct"
-    device: str = "cpu"
-    # "auto": the checkpoint's dtype where this device runs it natively (see `auto_dtype`),
-    # resolved by `resolve_dtype` once the checkpoint is known.
-    dtype: str = "auto"
+def _flag(help: str, **extra: Any) -> Meta:
+    """A field a user sets: by keyword (`LLM(name=...)`) and as `--name` on the command line.
+    `extra` says how the flag looks: choices, aliases."""
+    return Meta(description=help, extra=extra)
+
+
+# A field without `_flag` metadata is set by the engine itself, never by a user (internal).
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What runs: the checkpoint, the device and the numbers it computes in."""
+
+    model: Annotated[str, _flag("a built-in model name or an HF checkpoint folder")] = DEFAULT_MODEL
+    device: Annotated[str, _flag("cpu, or cuda[:N]")] = "cpu"
+    dtype: Annotated[
+        str,
+        _flag(
+            "auto: the checkpoint's dtype where this device runs it natively, else float32",
+            choices=("auto", "float32", "bfloat16", "float16"),
+        ),
+    ] = "auto"
+    # Why `dtype` is what it is, once "auto" is resolved against the checkpoint (resolve_dtype).
     dtype_reason: str = ""
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_fraction: float | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    attention_backend: str | None = None  # None: the worker picks the device's default
-    seed: int = 0
-    offline: bool = True
-    # "uni": the worker runs inside the engine core's process; "mp": one process per TP rank.
-    executor: str = "uni"
-    tensor_parallel_size: int = 1
-    # Data parallelism: this many engine cores, each with its own scheduler, KV pool and TP
-    # workers; `data_parallel_rank` is the one a core process is (0 in the API process).
-    data_parallel_size: int = 1
-    data_parallel_rank: int = 0
-    # Its index among the ranks on its own machine (which GPUs it takes), and how many ranks
-    # that machine runs (they share its cores and memory; default: every rank).
-    data_parallel_rank_local: int = 0
-    data_parallel_size_local: int | None = None
-    # Tensor parallelism across machines: `nnodes` machines hold `tensor_parallel_size / nnodes`
-    # workers each; node 0 runs the engine core, the others only workers (`serve --headless`).
-    # The workers' sockets and torch.distributed's rendezvous are at master_addr:master_port+.
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    # Tracing: where every process sends its spans (the collector's URL), and which steps record.
-    collector_endpoint: str | None = None
-    otlp_endpoint: str | None = None
-    trace_steps: str = "all"
-    # The prompt and the generated text on each request span (off: prompts can be private).
-    trace_content: bool = False
-
-    def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
-        if self.block_size <= 0 or self.block_size % 16:
-            raise ValueError(f"block_size must be a multiple of 16, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
-            raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
-            )
-        budget, seqs = device_tier_defaults(self.device, self.offline)
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = budget
-        if self.max_num_seqs is None:
-            self.max_num_seqs = seqs
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if (
-            not self.enable_chunked_prefill
-            and self.max_model_len is not None
-            and self.max_num_batched_tokens < self.max_model_len
-        ):
-            raise ValueError(
-                "without chunked prefill, max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) so that any prompt fits in one step"
-            )
-        if self.executor not in ("uni", "mp"):
-            raise ValueError(f"executor must be 'uni' or 'mp', got {self.executor!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
-            )
-        if self.tensor_parallel_size > 1 and self.executor != "mp":
-            raise ValueError("tensor_parallel_size > 1 needs executor='mp' (one process per rank)")
-        if self.data_parallel_size < 1:
-            raise ValueError(
-                f"data_parallel_size must be at least 1, got {self.data_parallel_size}"
-            )
-        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
-            raise ValueError(
-                f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
-                f"got {self.data_parallel_rank}"
-            )
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(
-                f"nnodes must be >= 1 and node_rank in [0, nnodes), got {self.nnodes} and "
-                f"{self.node_rank}"
-            )
-        if self.nnodes > 1:
-            if self.tensor_parallel_size % self.nnodes:
-                raise ValueError(
-                    f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
-                    f"nnodes {self.nnodes}: every machine holds the same number of workers"
-                )
-            if self.executor != "mp" or self.data_parallel_size != 1:
-                raise ValueError(
-                    "tensor parallelism across machines (nnodes > 1) needs executor='mp' and "
-                    "one DP rank; to add DP ranks on other machines use --headless with "
-                    "--data-parallel-size-local"
-                )
-            if self.master_port is None:
-                raise ValueError("nnodes > 1 needs master_port (--master-port)")
-        from stepscope.traces.setup import TraceSampling
-
-        TraceSampling(self.trace_steps)  # raises ValueError on a malformed --trace-steps
-        if self.attention_backend not in (None, "cpu", "torch", "triton"):
-            raise ValueError(
-                "attention_backend must be 'cpu', 'torch' or 'triton', got "
-                f"{self.attention_backend!r}"
-            )
-        on_cpu = not self.device.startswith("cuda")
-        if self.attention_backend == "cpu" and not on_cpu:
-            raise ValueError("attention_backend 'cpu' runs on the CPU only: use 'triton'")
-        # None stays None: the worker picks the device's default (engine/layers/attention.py),
-        # so that building a config never builds or loads the C kernels.
-
-    @property
-    def tensor_parallel_size_local(self) -> int:
-        """TP workers on this machine."""
-        return self.tensor_parallel_size // self.nnodes
-
-    @property
-    def local_data_parallel_size(self) -> int:
-        """DP ranks on this machine."""
-        return self.data_parallel_size_local or self.data_parallel_size
-
-    @property
-    def cpu_threads_per_process(self) -> int:
-        """Torch threads for one compute process on CPU: the cores shared evenly by every
-        process that runs a forward pass (DP ranks x TP workers)."""
-        import os
-
-        processes = self.local_data_parallel_size * self.tensor_parallel_size_local
-        return max(1, len(os.sched_getaffinity(0)) // processes)
-
-    def resolve_dtype(self, model_dir: str | Path) -> None:
-        """Turn dtype="auto" into this machine's choice for the checkpoint, and say why."""
-        if self.dtype == "auto":
-            self.dtype, self.dtype_reason = auto_dtype(checkpoint_dtype(model_dir), self.device)
-        elif not self.dtype_reason:
-            self.dtype_reason = "asked for"
+    max_model_len: Annotated[
+        int | None, _flag("longest prompt + output, tokens (default: the model's limit)")
+    ] = None
+    seed: Annotated[int, _flag("seed of the sampler's generator (seeded requests use theirs)")] = 0
+    attention_backend: Annotated[
+        str | None,
+        _flag(
+            "default: triton on CUDA; on a CPU, cpu (a C decode kernel) where a C compiler builds "
+            "it, else torch",
+            choices=("cpu", "torch", "triton"),
+        ),
+    ] = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -240,3 +134,352 @@ class EngineConfig:
                 "dtype 'auto' is resolved against the checkpoint first (resolve_dtype)"
             )
         return DTYPES[self.dtype]
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The paged KV cache: block size, pool size, prefix caching."""
+
+    block_size: Annotated[int, _flag("tokens per KV block (a multiple of 16)")] = 16
+    num_kv_blocks: Annotated[
+        int | None, _flag("KV blocks in the pool (default: from the memory fraction)")
+    ] = None
+    kv_cache_memory_fraction: Annotated[
+        float | None, _flag("share of free memory the KV pool takes, in (0, 1)")
+    ] = None
+    enable_prefix_caching: Annotated[
+        bool, _flag("reuse the KV blocks of a prompt prefix already computed")
+    ] = True
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The token budget of a step and how a prompt may be split across steps."""
+
+    max_num_batched_tokens: Annotated[
+        int | None, _flag("tokens per step (default: the device tier's)")
+    ] = None
+    max_num_seqs: Annotated[
+        int | None, _flag("sequences per step (default: the device tier's)")
+    ] = None
+    enable_chunked_prefill: Annotated[
+        bool, _flag("split a long prompt across steps, beside running decodes")
+    ] = True
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which processes run the engine: executor, tensor and data parallelism, machines."""
+
+    executor: Annotated[
+        str,
+        _flag(
+            "uni: the worker runs inside the engine core's process; mp: one process per TP rank",
+            choices=("uni", "mp"),
+        ),
+    ] = "uni"
+    tensor_parallel_size: Annotated[
+        int, _flag("workers one engine's model is split over", aliases=("--tp",))
+    ] = 1
+    data_parallel_size: Annotated[
+        int,
+        _flag(
+            "engine cores, each with its own scheduler, KV pool and TP workers",
+            aliases=("--dp",),
+        ),
+    ] = 1
+    # Its index among the ranks on its own machine (which GPUs it takes), and how many ranks
+    # that machine runs (they share its cores and memory; None: every rank).
+    data_parallel_size_local: Annotated[
+        int | None,
+        _flag("DP ranks whose engine cores run on this machine (default: all of them)"),
+    ] = None
+    # Set per engine-core process when it starts (as vLLM's DP engine cores set theirs): the DP
+    # rank it serves, and its index among the ranks of its machine.
+    data_parallel_rank: int = 0
+    data_parallel_rank_local: int = 0
+    # Tensor parallelism across machines: `nnodes` machines hold `tensor_parallel_size / nnodes`
+    # workers each; node 0 runs the engine core, the others only workers (`serve --headless`).
+    nnodes: Annotated[
+        int, _flag("machines one engine's TP workers are spread over (--tp is the total)")
+    ] = 1
+    node_rank: Annotated[
+        int, _flag("this machine's index among --nnodes (0: the engine core's; others: --headless)")
+    ] = 0
+    master_addr: Annotated[
+        str, _flag("node 0's address: the workers' sockets and torch.distributed's rendezvous")
+    ] = "127.0.0.1"
+    master_port: Annotated[
+        int, _flag("torch.distributed's port on node 0 (the workers' sockets take the next two)")
+    ] = 29500
+
+    @property
+    def tensor_parallel_size_local(self) -> int:
+        """TP workers on this machine."""
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def data_parallel_ranks_here(self) -> int:
+        """DP ranks on this machine."""
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    @property
+    def cpu_threads_per_process(self) -> int:
+        """Torch threads for one compute process on CPU: the cores shared evenly by every
+        process that runs a forward pass (DP ranks x TP workers)."""
+        processes = self.data_parallel_ranks_here * self.tensor_parallel_size_local
+        return max(1, len(os.sched_getaffinity(0)) // processes)
+
+
+class ObservabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What is traced and where spans go (besides the collector, whose address is found at run
+    time: `Endpoints`)."""
+
+    trace_db: Annotated[
+        str | None,
+        _flag(
+            "DuckDB file for the spans (LLM: none, nothing recorded; serve: "
+            "runs/serve-<time>.duckdb unless --no-trace)"
+        ),
+    ] = None
+    otlp_endpoint: Annotated[
+        str | None,
+        _flag("also send every span to this OTLP/HTTP endpoint (Jaeger, Phoenix, ...)"),
+    ] = None
+    trace_steps: Annotated[
+        str, _flag("which steps record spans: all, every:N or off (requests always do)")
+    ] = "all"
+    trace_content: Annotated[
+        bool,
+        _flag(
+            "put each request's prompt and generated text on its span (input.value, "
+            "output.value); off by default, as prompts can be private"
+        ),
+    ] = False
+
+
+PARTS: dict[str, type[msgspec.Struct]] = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "observability_config": ObservabilityConfig,
+}
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole engine configuration, sent whole across every process boundary. Build it with
+    `create`, which validates; decoding it in another process only checks types."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    # An offline engine (LLM) or a server (AsyncLLM, serve): the device tier's defaults differ.
+    offline: bool = True
+
+    @classmethod
+    def create(cls, **flat: Any) -> EngineConfig:
+        """Build and validate a config from flat field names (`max_num_seqs=8`), plus
+        `offline`. An unknown name is refused with the nearest valid one; a bad value with a
+        message naming the field."""
+        offline = flat.pop("offline", True)
+        values: dict[str, dict[str, Any]] = {part: {} for part in PARTS}
+        settable = field_parts(internal=True)
+        for name, value in flat.items():
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)  # trace_db=Path(...)
+            if name not in settable:
+                raise ValueError(unknown_name_message(name, settable))
+            values[settable[name]][name] = value
+        parts = {}
+        for part, part_cls in PARTS.items():
+            try:
+                parts[part] = msgspec.convert(values[part], part_cls, strict=False)
+            except msgspec.ValidationError as e:
+                # "Expected `int`, got `str` - at `$.max_num_seqs`" -> "max_num_seqs: ..."
+                problem, _, where = str(e).partition(" - at `$.")
+                raise ValueError(f"{where.rstrip('`') or part}: {problem}") from e
+        return _validated(cls(**parts, offline=offline))
+
+    def resolve_dtype(self, model_dir: str | Path) -> EngineConfig:
+        """This config with dtype="auto" turned into this machine's choice for the checkpoint,
+        and why (an explicit dtype is kept, "asked for")."""
+        m = self.model_config
+        if m.dtype == "auto":
+            dtype, why = auto_dtype(checkpoint_dtype(model_dir), m.device)
+        else:
+            dtype, why = m.dtype, m.dtype_reason or "asked for"
+        return self.replace(model_config=msgspec.structs.replace(m, dtype=dtype, dtype_reason=why))
+
+    def replace(self, **parts: Any) -> EngineConfig:
+        return msgspec.structs.replace(self, **parts)
+
+    def for_dp_rank(self, rank: int, local_index: int, local_size: int | None) -> EngineConfig:
+        """The copy one engine-core process of DP rank `rank` runs with (`local_index`-th of
+        `local_size` ranks on its machine)."""
+        p = msgspec.structs.replace(
+            self.parallel_config,
+            data_parallel_rank=rank,
+            data_parallel_rank_local=local_index,
+            data_parallel_size_local=local_size,
+        )
+        return self.replace(parallel_config=p)
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by its flat name, as `create` takes them (and as a trace records)."""
+        out: dict[str, Any] = {"offline": self.offline}
+        for part in PARTS:
+            out.update(msgspec.structs.asdict(getattr(self, part)))
+        return out
+
+
+class Endpoints(msgspec.Struct, frozen=True):
+    """Addresses found at run time, sent beside `EngineConfig` to every process: where spans
+    go. None: this run records no spans through a collector."""
+
+    collector: str | None = None
+
+
+def field_parts(internal: bool = False) -> dict[str, str]:
+    """Each field's flat name -> the part that holds it; without `internal`, only the fields a
+    user sets (those with a description)."""
+    out = {}
+    for part, part_cls in PARTS.items():
+        for f in msgspec.structs.fields(part_cls):
+            if internal or field_meta(f.type) is not None:
+                out[f.name] = part
+    return out
+
+
+def field_meta(annotation: Any) -> Meta | None:
+    """A field's `_flag` metadata; None for a field the engine sets itself."""
+    for meta in getattr(annotation, "__metadata__", ()):
+        if isinstance(meta, Meta) and meta.description:
+            return meta
+    return None
+
+
+def unknown_name_message(name: str, known: dict[str, str] | list[str]) -> str:
+    near = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return f"unknown engine option {name!r}{hint}"
+
+
+def _validated(c: EngineConfig) -> EngineConfig:
+    """Fill in the device-dependent defaults and check every relation between fields, with a
+    message a user can act on. Runs once, in `create`."""
+    m, cache, s, p, o = (c.model_config, c.cache_config, c.scheduler_config, c.parallel_config,
+                         c.observability_config)  # fmt: skip
+    if m.dtype != "auto" and m.dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {m.dtype!r}")
+    if not (m.device == "cpu" or m.device.startswith("cuda")):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {m.device!r}")
+    if m.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {m.device!r} asked for, but CUDA is not available")
+    if m.attention_backend not in (None, "cpu", "torch", "triton"):
+        raise ValueError(
+            f"attention_backend must be 'cpu', 'torch' or 'triton', got {m.attention_backend!r}"
+        )
+    if m.attention_backend == "cpu" and m.device.startswith("cuda"):
+        raise ValueError("attention_backend 'cpu' runs on the CPU only: use 'triton'")
+    # None stays None: the worker picks the device's default (engine/layers/attention.py), so
+    # that building a config never builds or loads the C kernels.
+    if cache.block_size <= 0 or cache.block_size % 16:
+        raise ValueError(f"block_size must be a multiple of 16, got {cache.block_size}")
+    if cache.num_kv_blocks is not None and cache.num_kv_blocks < 1:
+        raise ValueError(f"num_kv_blocks must be at least 1, got {cache.num_kv_blocks}")
+    fraction = cache.kv_cache_memory_fraction
+    if fraction is not None and not 0 < fraction < 1:
+        raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
+    s = _scheduler_defaults(s, m, c.offline)
+    p = _checked_parallel(p)
+    from stepscope.traces.setup import TraceSampling
+
+    TraceSampling(o.trace_steps)  # raises ValueError on a malformed --trace-steps
+    return c.replace(scheduler_config=s, parallel_config=p)
+
+
+def _scheduler_defaults(s: SchedulerConfig, m: ModelConfig, offline: bool) -> SchedulerConfig:
+    budget, seqs = device_tier_defaults(m.device, offline)
+    s = msgspec.structs.replace(
+        s,
+        max_num_batched_tokens=budget
+        if s.max_num_batched_tokens is None
+        else s.max_num_batched_tokens,
+        max_num_seqs=seqs if s.max_num_seqs is None else s.max_num_seqs,
+    )
+    if s.max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be positive, got {s.max_num_batched_tokens}")
+    if s.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be positive, got {s.max_num_seqs}")
+    check_no_chunk_budget(s, m.max_model_len)
+    return s
+
+
+def check_no_chunk_budget(s: SchedulerConfig, max_model_len: int | None) -> None:
+    """Without chunked prefill every prompt must fit in one step's budget. Checked where the
+    config is built against an explicit max_model_len, and again by the engine core against the
+    length it derives from the model."""
+    if (
+        not s.enable_chunked_prefill
+        and max_model_len is not None
+        and s.max_num_batched_tokens < max_model_len
+    ):
+        raise ValueError(
+            "without chunked prefill every prompt must fit in one step: max_num_batched_tokens "
+            f"({s.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}); raise "
+            "the budget or lower max_model_len"
+        )
+
+
+def _checked_parallel(p: ParallelConfig) -> ParallelConfig:
+    if p.executor not in ("uni", "mp"):
+        raise ValueError(f"executor must be 'uni' or 'mp', got {p.executor!r}")
+    if p.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {p.tensor_parallel_size}")
+    if p.tensor_parallel_size > 1 and p.executor != "mp":
+        raise ValueError("tensor_parallel_size > 1 needs executor='mp' (one process per rank)")
+    if p.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {p.data_parallel_size}")
+    if not 0 <= p.data_parallel_rank < p.data_parallel_size:
+        raise ValueError(
+            f"data_parallel_rank must be in [0, {p.data_parallel_size}), got {p.data_parallel_rank}"
+        )
+    local = p.data_parallel_size_local
+    if local is not None and not 0 <= local <= p.data_parallel_size:
+        raise ValueError(
+            f"data_parallel_size_local must be in [0, {p.data_parallel_size}], got {local}"
+        )
+    if p.nnodes < 1 or not 0 <= p.node_rank < p.nnodes:
+        raise ValueError(
+            f"nnodes must be >= 1 and node_rank in [0, nnodes), got {p.nnodes} and {p.node_rank}"
+        )
+    if p.nnodes > 1:
+        if p.tensor_parallel_size % p.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {p.tensor_parallel_size} must be a multiple of "
+                f"nnodes {p.nnodes}: every machine holds the same number of workers"
+            )
+        if p.executor != "mp" or p.data_parallel_size != 1:
+            raise ValueError(
+                "tensor parallelism across machines (nnodes > 1) needs executor='mp' and "
+                "one DP rank; to add DP ranks on other machines use --headless with "
+                "--data-parallel-size-local"
+            )
+    return p
+
+
+def init_engine_process_tracing(
+    service: str, config: EngineConfig, endpoints: Endpoints, **where: Any
+) -> None:
+    """Start tracing in one of the engine's processes: spans to the run's collector and OTLP
+    endpoint, steps sampled as configured; `where` says which rank this process is."""
+    from stepscope.traces.setup import init_process_tracing
+
+    o = config.observability_config
+    init_process_tracing(
+        service,
+        collector_endpoint=endpoints.collector,
+        otlp_endpoint=o.otlp_endpoint,
+        trace_steps=o.trace_steps,
+        **where,
+    )

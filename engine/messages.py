@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from stepscope.engine.config import Endpoints, EngineConfig
 from stepscope.engine.sampling_params import SamplingParams
 
 
@@ -132,7 +133,7 @@ class OutputKind:
 
 class UtilityRequest(msgspec.Struct, array_like=True):
     call_id: int
-    method: str  # "get_stats", "reset_prefix_cache", "flush_traces"
+    method: str  # one of ENGINE_CORE_UTILITY_METHODS
     args: list = []
     client_index: int = 0  # the API server to answer
 
@@ -185,7 +186,8 @@ class EngineDead(msgspec.Struct, array_like=True):
 class CoreProcArgs(msgspec.Struct):
     """What a new engine-core process reads from its stdin at start."""
 
-    config: dict[str, Any]  # EngineConfig fields
+    config: EngineConfig  # this DP rank's copy (EngineConfig.for_dp_rank)
+    endpoints: Endpoints
     model_dir: str
     handshake_addr: str  # the launcher's ROUTER: READY or DEAD goes there, CoreAddresses back
     input_bind: str  # where to listen: an ipc path, or "tcp://HOST:*" for any free port
@@ -202,8 +204,22 @@ class WorkerRequestKind:
     STOP = b"stop"
 
 
-# Worker methods the engine core may call on every rank; anything else is refused.
-WORKER_UTILITY_METHODS = frozenset({"determine_num_kv_blocks", "init_kv_cache", "flush_traces"})
+# Utility calls: the methods a client may call on an engine core (`EngineCore`), and the engine
+# core on every worker rank (`Worker`); anything else is refused by name. One dispatch,
+# `call_utility`, serves the engine-core process, the in-process client and the workers.
+ENGINE_CORE_UTILITY_METHODS = frozenset(
+    {"get_stats", "reset_prefix_cache", "flush_traces", "get_config"}
+)
+WORKER_UTILITY_METHODS = frozenset(
+    {"determine_num_kv_blocks", "init_kv_cache", "flush_traces", "get_config"}
+)
+
+
+def call_utility(target: Any, allowed: frozenset[str], method: str, args: tuple | list) -> Any:
+    """`target.method(*args)` where `method` is in `allowed`; ValueError otherwise."""
+    if method not in allowed:
+        raise ValueError(f"unknown utility method {method!r}")
+    return getattr(target, method)(*args)
 
 
 class WorkerReplyKind:

@@ -908,7 +908,7 @@ def stepscope_time(
         outs = llm.generate(workload.prompts, params(workload), use_tqdm=False)
         synchronize(ctx.device)
         elapsed = time.perf_counter() - start
-        cfg = llm.config
+        cfg = llm.config.scheduler_config
         step.log(
             f"stepscope {dtype}: budget {cfg.max_num_batched_tokens} tokens/step, max_num_seqs "
             f"{cfg.max_num_seqs}, {blocks} KV blocks, {sched.step_index - steps0} steps, "

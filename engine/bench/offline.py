@@ -129,7 +129,7 @@ def run_stepscope(
     got = sum(len(o.outputs[0].token_ids) for o in outs)
     assert got == workload.num_output_tokens, (got, workload.num_output_tokens)
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-    cfg = llm.config
+    cfg = llm.config.scheduler_config
     stats = llm.get_stats()
     ranks = f"{data_parallel_size} DP ranks x " if data_parallel_size > 1 else ""
     print(
@@ -144,7 +144,8 @@ def run_stepscope(
     if data_parallel_size > 1:
         served = [r["num_steps"] for r in stats["ranks"]]
         print(
-            f"  steps per DP rank: {served}; torch threads per rank {cfg.cpu_threads_per_process}"
+            f"  steps per DP rank: {served}; torch threads per rank "
+            f"{llm.config.parallel_config.cpu_threads_per_process}"
         )
     if "crossing_median_s" in stats:
         print(

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from stepscope.engine.config import EngineConfig
+from stepscope.engine.config import Endpoints, EngineConfig, init_engine_process_tracing
 from stepscope.engine.core.engine_core import EngineCore
 from stepscope.engine.liveness import (
     DP_RANK_REPORT_S,
@@ -36,6 +36,7 @@ from stepscope.engine.liveness import (
     IDLE_HEALTH_CHECK_S,
 )
 from stepscope.engine.messages import (
+    ENGINE_CORE_UTILITY_METHODS,
     CoreAddresses,
     CoreProcArgs,
     EngineCoreOutputs,
@@ -47,6 +48,7 @@ from stepscope.engine.messages import (
     RequestKind,
     UtilityRequest,
     UtilityResult,
+    call_utility,
 )
 from stepscope.traces import crossing, names
 from stepscope.traces.crossing import traced_receive, traced_send
@@ -56,7 +58,7 @@ from stepscope.traces.process import (
     terminate_self,
     watch_parent,
 )
-from stepscope.traces.setup import dropped_spans, init_process_tracing, shutdown_tracing
+from stepscope.traces.setup import shutdown_tracing
 
 _LOAD = b"load"  # output-queue item for the DP coordinator's socket, not an API server's
 HANDSHAKE_TIMEOUT_S = 60.0
@@ -71,7 +73,7 @@ class EngineCoreProc:
         addresses: CoreAddresses,
     ) -> None:
         self.core = engine_core
-        self.dp_rank = engine_core.config.data_parallel_rank
+        self.dp_rank = engine_core.config.parallel_config.data_parallel_rank
         self._rank_frame = str(self.dp_rank).encode()
         self._coordinator_addr = addresses.coordinator_addr
         self._last_load = RankLoad(self.dp_rank, 0, 0)
@@ -281,15 +283,8 @@ class EngineCoreProc:
 
     def _call_utility(self, req: UtilityRequest) -> UtilityResult:
         try:
-            if req.method == "get_stats":
-                stats = self.core.get_stats()
-                stats["trace_spans_dropped"] = dropped_spans()
-                return UtilityResult(req.call_id, stats)
-            if req.method == "reset_prefix_cache":
-                return UtilityResult(req.call_id, self.core.reset_prefix_cache())
-            if req.method == "flush_traces":
-                return UtilityResult(req.call_id, self.core.flush_traces())
-            return UtilityResult(req.call_id, error=f"unknown utility method {req.method!r}")
+            result = call_utility(self.core, ENGINE_CORE_UTILITY_METHODS, req.method, req.args)
+            return UtilityResult(req.call_id, result)
         except Exception as e:  # a utility call must never take the busy loop down
             return UtilityResult(req.call_id, error=f"{type(e).__name__}: {e}")
 
@@ -342,7 +337,12 @@ def handshake(
 
 
 def run_engine_core(
-    config: EngineConfig, model_dir: Path, handshake_addr: str, input_bind: str, parent_pid: int
+    config: EngineConfig,
+    endpoints: Endpoints,
+    model_dir: Path,
+    handshake_addr: str,
+    input_bind: str,
+    parent_pid: int,
 ) -> None:
     """Entry point of the engine-core process."""
     # Ctrl-C or a hang-up in the terminal reaches the whole process group; the launcher
@@ -351,42 +351,37 @@ def run_engine_core(
     # SIGTERM unwinds the main thread through the `finally` below, which stops the workers.
     exit_once_on(signal.SIGTERM)
     watch_parent(parent_pid)  # SIGTERM: the same unwinding as a clean stop
-    if config.device.startswith("cuda") and config.data_parallel_rank_local:
+    m, p = config.model_config, config.parallel_config
+    if m.device.startswith("cuda") and p.data_parallel_rank_local:
         # Each DP rank on this machine takes its own TP-size run of GPUs.
-        import dataclasses
-
+        import msgspec
         import torch
 
-        base = torch.device(config.device).index or 0
-        first = base + config.data_parallel_rank_local * config.tensor_parallel_size
-        config = dataclasses.replace(config, device=f"cuda:{first}")
-    if config.executor == "uni" and config.device == "cpu":
+        base = torch.device(m.device).index or 0
+        first = base + p.data_parallel_rank_local * p.tensor_parallel_size
+        config = config.replace(model_config=msgspec.structs.replace(m, device=f"cuda:{first}"))
+    if p.executor == "uni" and m.device == "cpu":
         import torch
 
-        torch.set_num_threads(config.cpu_threads_per_process)  # DP ranks share the cores
-    init_process_tracing(
-        names.SERVICE_ENGINE_CORE,
-        dp_rank=config.data_parallel_rank,
-        collector_endpoint=config.collector_endpoint,
-        otlp_endpoint=config.otlp_endpoint,
-        trace_steps=config.trace_steps,
-    )
+        torch.set_num_threads(p.cpu_threads_per_process)  # DP ranks share the cores
+    dp_rank = p.data_parallel_rank
+    init_engine_process_tracing(names.SERVICE_ENGINE_CORE, config, endpoints, dp_rank=dp_rank)
     ctx = zmq.Context()
     try:
-        core = EngineCore(config, model_dir)
+        core = EngineCore(config, model_dir, endpoints=endpoints)
     except BaseException as e:
         reason = f"failed to start: {type(e).__name__}: {e}"
-        handshake(ctx, handshake_addr, config.data_parallel_rank, EngineDead(reason))
+        handshake(ctx, handshake_addr, dp_rank, EngineDead(reason))
         raise
     input_sock, input_addr = bind_input(ctx, input_bind)
     ready = EngineCoreReady(
         core.num_kv_blocks,
         core.max_model_len,
         core.processes(),
-        config.data_parallel_rank,
+        dp_rank,
         input_addr,
     )
-    addresses = handshake(ctx, handshake_addr, config.data_parallel_rank, ready)
+    addresses = handshake(ctx, handshake_addr, dp_rank, ready)
     assert addresses is not None
     proc = EngineCoreProc(core, input_sock, ctx, addresses)
     try:
@@ -404,7 +399,8 @@ def run_engine_core(
 def main() -> None:
     args = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreProcArgs)
     run_engine_core(
-        EngineConfig(**args.config),
+        args.config,
+        args.endpoints,
         Path(args.model_dir),
         args.handshake_addr,
         args.input_bind,

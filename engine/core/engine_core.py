@@ -15,7 +15,7 @@ from pathlib import Path
 
 from opentelemetry.trace import SpanContext
 
-from stepscope.engine.config import EngineConfig
+from stepscope.engine.config import Endpoints, EngineConfig, check_no_chunk_budget
 from stepscope.engine.core.kv_cache_manager import KVCacheManager
 from stepscope.engine.core.request import Request, RequestStatus
 from stepscope.engine.core.scheduler import Scheduler
@@ -30,29 +30,28 @@ from stepscope.engine.messages import (
 from stepscope.engine.metrics import TOKENS_PER_STEP_BUCKETS, Histogram
 from stepscope.engine.models.loader import load_config
 from stepscope.traces import names
-from stepscope.traces.setup import flush_tracing
+from stepscope.traces.setup import dropped_spans, flush_tracing
 from stepscope.traces.spans import child_span, ended_child_span, request_link, step_span
 
 logger = logging.getLogger(__name__)
 
 
-def make_executor(config: EngineConfig, model_dir: Path) -> Executor:
-    if config.executor == "mp":
+def make_executor(config: EngineConfig, model_dir: Path, endpoints: Endpoints) -> Executor:
+    if config.parallel_config.executor == "mp":
         from stepscope.engine.executor.multiproc_executor import MultiprocExecutor
 
-        return MultiprocExecutor(config, model_dir, config.tensor_parallel_size)
+        return MultiprocExecutor(config, model_dir, endpoints)
     return UniProcExecutor(config, model_dir)
 
 
 def max_model_len_for(config: EngineConfig, model_dir: Path) -> int:
     limit = load_config(model_dir).get("max_position_embeddings", 2048)
-    if config.max_model_len is None:
+    asked = config.model_config.max_model_len
+    if asked is None:
         return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} positions"
-        )
-    return config.max_model_len
+    if asked > limit:
+        raise ValueError(f"max_model_len {asked} exceeds the model's limit of {limit} positions")
+    return asked
 
 
 def fit_max_model_len(
@@ -83,32 +82,38 @@ def fit_max_model_len(
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, model_dir: Path, executor: Executor | None = None
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        executor: Executor | None = None,
+        endpoints: Endpoints | None = None,
     ) -> None:
+        """`endpoints`: where this engine's worker processes send spans (mp executor)."""
         self.config = config
+        cache, sched = config.cache_config, config.scheduler_config
+        self.block_size = cache.block_size
         model_len = max_model_len_for(config, model_dir)
-        self.executor = executor or make_executor(config, model_dir)
+        self.executor = executor or make_executor(config, model_dir, endpoints or Endpoints())
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         self.max_model_len = fit_max_model_len(
-            model_len, self.num_kv_blocks, config.block_size, explicit=config.max_model_len
-        )
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            model_len, self.num_kv_blocks, cache.block_size,
+            explicit=config.model_config.max_model_len,
+        )  # fmt: skip
+        try:
+            check_no_chunk_budget(sched, self.max_model_len)  # the length the model allows
+        except ValueError:
             self.executor.shutdown()
-            raise ValueError(
-                f"without chunked prefill every prompt must fit in one step: "
-                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}); raise the budget or lower max_model_len"
-            )
+            raise
         self.executor.init_kv_cache(self.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(
-            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
             max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
         )
         # Request span contexts, so that each step span links to the requests it served.
         self.request_links: dict[str, SpanContext] = {}
@@ -131,7 +136,7 @@ class EngineCore:
                 prompt_token_ids=request.prompt_token_ids,
                 sampling_params=request.sampling_params,
                 eos_token_id=request.eos_token_id,
-                block_size=self.config.block_size,
+                block_size=self.block_size,
                 arrival_time=request.arrival_time,
                 queued_time=time.time() if queued_time is None else queued_time,
             )
@@ -189,10 +194,16 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def get_config(self) -> list[EngineConfig]:
+        """The configuration as it arrived in each process: this engine core's, then each
+        worker rank's."""
+        return [self.config, *self.executor.worker_configs()]
+
     def get_stats(self) -> dict:
         """Counters for /metrics and the dashboard."""
         s, kv = self.scheduler, self.kv_cache_manager
         return {
+            "trace_spans_dropped": dropped_spans(),  # by this process's exporters
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "kv_cache_usage": kv.usage,
@@ -215,7 +226,7 @@ class EngineCore:
     def processes(self) -> list[ProcessInfo]:
         """This process (the engine core) and the worker processes of a multiprocess executor
         (none when the worker runs in here)."""
-        dp = self.config.data_parallel_rank
+        dp = self.config.parallel_config.data_parallel_rank
         workers = [
             ProcessInfo(role, rank, pid, dp) for role, rank, pid in self.executor.processes()
         ]

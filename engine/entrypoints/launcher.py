@@ -32,7 +32,7 @@ from pathlib import Path
 
 import msgspec
 
-from stepscope.engine.config import EngineConfig
+from stepscope.engine.config import Endpoints, EngineConfig
 from stepscope.engine.frontend.engine_group import (
     EngineGroup,
     EngineHandles,
@@ -52,9 +52,9 @@ class APIServerArgs(msgspec.Struct):
     fd: int  # the shared listening socket
     output_addr: str
     handles: EngineHandles
-    model: str
     served_model_name: str
-    engine_args: dict
+    config: EngineConfig
+    endpoints: Endpoints
     api_key: str | None
     max_queued_requests: int
     processes_file: str  # every process of the deployment, as JSON (for GET /processes)
@@ -65,7 +65,7 @@ class APIServerArgs(msgspec.Struct):
 # ---- arguments ----------------------------------------------------------------------------------
 def has_remote_ranks(args: argparse.Namespace) -> bool:
     local = args.data_parallel_size_local
-    return not args.headless and local is not None and local < args.dp
+    return not args.headless and local is not None and local < args.data_parallel_size
 
 
 def needs_launcher(args: argparse.Namespace) -> bool:
@@ -74,7 +74,8 @@ def needs_launcher(args: argparse.Namespace) -> bool:
 
 def check_scale_out_args(args: argparse.Namespace) -> None:
     """A clear ValueError for every inconsistent combination, before anything starts."""
-    dp, local, start = args.dp, args.data_parallel_size_local, args.data_parallel_start_rank
+    dp, local = args.data_parallel_size, args.data_parallel_size_local
+    start = args.data_parallel_start_rank
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if local is not None and not 0 <= local <= dp:
@@ -83,7 +84,7 @@ def check_scale_out_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--engine-ready-timeout must be positive, got {args.engine_ready_timeout}"
         )
-    if args.nnodes > 1 and args.dp != 1:
+    if args.nnodes > 1 and dp != 1:
         raise ValueError(
             "--nnodes spreads one engine's TP workers over machines and needs --dp 1; for DP "
             "ranks on other machines use --data-parallel-size-local and --headless"
@@ -120,10 +121,10 @@ def check_scale_out_args(args: argparse.Namespace) -> None:
 
 
 # ---- the head -----------------------------------------------------------------------------------
-def launch(args: argparse.Namespace, engine_args: dict, name: str) -> None:
+def launch(args: argparse.Namespace, config: EngineConfig, endpoints: Endpoints, name: str) -> None:
     """Start the engine and A API servers sharing one port; return once they have stopped."""
-    config = EngineConfig(model=args.model, offline=False, **engine_args)
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(config.model_config.model)
+    dp = config.parallel_config.data_parallel_size
     count = args.api_server_count
     remote = has_remote_ranks(args)
     host = args.data_parallel_address
@@ -142,8 +143,9 @@ def launch(args: argparse.Namespace, engine_args: dict, name: str) -> None:
     group = EngineGroup(
         config,
         model_dir,
+        endpoints,
         output_addrs,
-        local_ranks=range(args.dp if local is None else local),
+        local_ranks=range(dp if local is None else local),
         handshake_bind=f"tcp://{host}:{args.data_parallel_rpc_port}" if remote else None,
         host=host,
         ready_timeout=args.engine_ready_timeout,
@@ -165,9 +167,9 @@ def launch(args: argparse.Namespace, engine_args: dict, name: str) -> None:
                         fd=listener.fileno(),
                         output_addr=output_addrs[index],
                         handles=handles,
-                        model=args.model,
                         served_model_name=name,
-                        engine_args=engine_args,
+                        config=config,
+                        endpoints=endpoints,
                         api_key=args.api_key,
                         max_queued_requests=args.max_queued_requests,
                         processes_file=str(processes_file),
@@ -184,7 +186,7 @@ def launch(args: argparse.Namespace, engine_args: dict, name: str) -> None:
         processes_file.write_text(json.dumps([msgspec.to_builtins(p) for p in processes]))
         print(
             f"stepscope: serving {name} on http://{args.host}:{args.port}/v1 from {count} API "
-            f"servers, {args.dp} DP ranks",
+            f"servers, {dp} DP ranks",
             flush=True,
         )
         while not stopping:
@@ -236,17 +238,16 @@ def address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
-def run_headless(args: argparse.Namespace, engine_args: dict) -> None:
+def run_headless(args: argparse.Namespace, config: EngineConfig) -> None:
     """Run this machine's DP ranks (or, with --nnodes, its TP workers) until the head shuts them
-    down, one dies, or a signal."""
-    config = EngineConfig(model=args.model, offline=False, **engine_args)
-    model_dir = resolve_model(args.model)
-    if config.nnodes > 1:
+    down, one dies, or a signal. Their spans go to --otlp-endpoint (the head's collector)."""
+    model_dir = resolve_model(config.model_config.model)
+    if config.parallel_config.nnodes > 1:
         from stepscope.engine.worker.worker_proc import run_worker_node
 
         code = run_worker_node(config, model_dir)
         if code:
-            raise SystemExit(f"stepscope: headless: the TP workers of node {config.node_rank} "
+            raise SystemExit(f"stepscope: headless: the TP workers of node {args.node_rank} "
                              "stopped after a failure or a signal")  # fmt: skip
         print("stepscope: headless: TP workers stopped", flush=True)
         return
@@ -259,7 +260,7 @@ def run_headless(args: argparse.Namespace, engine_args: dict) -> None:
         signal.signal(signum, lambda signum, frame: stopping.append(signum))
     procs = {
         rank: start_core_process(
-            config, model_dir, rank, handshake, f"tcp://{me}:*", local, len(ranks)
+            config, Endpoints(), model_dir, rank, handshake, f"tcp://{me}:*", local, len(ranks)
         )
         for local, rank in enumerate(ranks)
     }

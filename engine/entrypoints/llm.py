@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import os
 import signal
 import sys
 import threading
@@ -31,25 +30,18 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-from stepscope.engine.config import EngineConfig
+from stepscope.engine.config import DEFAULT_MODEL, Endpoints, EngineConfig
 from stepscope.engine.core.engine_core import EngineCore
+from stepscope.engine.engine_args import check_engine_kwargs
 from stepscope.engine.frontend.core_client import InprocClient, SyncMPClient
-from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
-from stepscope.engine.frontend.output_processor import OutputProcessor
-from stepscope.engine.frontend.parallel_sampling import ParentRequest
+from stepscope.engine.frontend.frontend import Frontend
+from stepscope.engine.frontend.input_processor import PromptType
 from stepscope.engine.messages import ProcessInfo
-from stepscope.engine.models.config import read_model_shape
-from stepscope.engine.models.loader import (
-    DEFAULT_MODEL,
-    load_generation_config,
-    load_tokenizer,
-    resolve_model,
-)
 from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
 from stepscope.traces import setup as tracing
-from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.client import CollectorClient
 from stepscope.traces.backend.collector_process import (
     describe_summary,
     start_collector_process,
@@ -69,103 +61,47 @@ logger = logging.getLogger(__name__)
 
 
 class LLM:
-    """Offline inference: in this process (`executor="uni"`) or across processes (`"mp"`)."""
+    """Offline inference: in this process (`executor="uni"`) or across processes (`"mp"`).
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        device: str = "cpu",
-        dtype: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        max_model_len: int | None = None,
-        kv_cache_memory_fraction: float | None = None,
-        attention_backend: str | None = None,
-        seed: int = 0,
-        executor: str = "uni",
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        trace_db: str | os.PathLike[str] | None = None,
-        otlp_endpoint: str | None = None,
-        trace_steps: str = "all",
-        trace_content: bool = False,
-    ) -> None:
-        self.config = EngineConfig(
-            model=model,
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            max_model_len=max_model_len,
-            kv_cache_memory_fraction=kv_cache_memory_fraction,
-            attention_backend=attention_backend,
-            seed=seed,
-            offline=True,
-            executor=executor,
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-            otlp_endpoint=otlp_endpoint,
-            trace_steps=trace_steps,
-            trace_content=trace_content,
-        )
-        self.model_dir = resolve_model(model)
-        # A checkpoint this engine cannot run is refused here, before any process starts.
-        shape = read_model_shape(self.model_dir, self.config.tensor_parallel_size)
-        self.config.resolve_dtype(self.model_dir)
-        logger.info("dtype %s (%s)", self.config.dtype, self.config.dtype_reason)
+    Keywords are the engine options (`EngineConfig`'s fields by their flat names, the same as
+    `stepscope serve`'s flags: `max_num_seqs`, `tensor_parallel_size`, `trace_db`, ...); an
+    unknown one is refused with the nearest valid name."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
+        check_engine_kwargs(engine_options)
+        config = EngineConfig.create(model=model, offline=True, **engine_options)
+        trace_db = config.observability_config.trace_db
         self.trace_db = None if trace_db is None else Path(trace_db)
         self._trace_store = None
         self._collector = None
         self._closed = False
         self._tracing = False
-        self._tracing = self._start_tracing()
-        self.tokenizer = load_tokenizer(self.model_dir)
-        # "uni": the engine core runs right here; "mp", or several DP ranks: in their own
-        # processes, over ZMQ.
-        if self._in_process:
-            self.client: InprocClient | SyncMPClient = InprocClient(self.config, self.model_dir)
-        else:
-            self.client = SyncMPClient(self.config, self.model_dir)
-        self.processor = InputProcessor(
-            self.tokenizer,
-            self.client.max_model_len,
-            shape.vocab_size,
-            load_generation_config(self.model_dir),
-        )
-        self.output_processor = OutputProcessor(
-            self.tokenizer,
-            self.config.model,
-            server=False,
-            trace_content=self.config.trace_content,
-        )
+        self.endpoints = Endpoints()
+        self._tracing = self._start_tracing(config)
+        in_process = _in_process(config)
+        self.frontend = Frontend(config, InprocClient if in_process else SyncMPClient)
+        self.config = self.frontend.config
+        logger.info("dtype %s (%s)", self.config.model_config.dtype,
+                    self.config.model_config.dtype_reason)  # fmt: skip
+        self.client: InprocClient | SyncMPClient = self.frontend.client
+        self.tokenizer = self.frontend.tokenizer
+        self.processor = self.frontend.processor
         self._ids = itertools.count()
 
-    @property
-    def _in_process(self) -> bool:
-        return self.config.executor == "uni" and self.config.data_parallel_size == 1
-
-    def _start_tracing(self) -> bool:
+    def _start_tracing(self, cfg: EngineConfig) -> bool:
         """In-process, this process writes the trace file itself; across processes a collector
         process owns it and every process (this one too) sends it spans.
 
         However the script ends (returns, raises, Ctrl-C, SIGTERM or SIGHUP where the script
         set no handler of its own), `shutdown` runs at exit: the engine's processes stop and
         flush, then the trace file is closed."""
-        cfg = self.config
-        if self.trace_db is None and cfg.otlp_endpoint is None:
+        otlp, steps = cfg.observability_config.otlp_endpoint, cfg.observability_config.trace_steps
+        if self.trace_db is None and otlp is None:
             return False
         _exit_cleanly_on_termination()
         if self.trace_db is not None:
             self.trace_db.parent.mkdir(parents=True, exist_ok=True)
-        if self._in_process:
+        if _in_process(cfg):
             exporters = []
             if self.trace_db is not None:
                 exporter = DuckDBSpanExporter(self.trace_db)
@@ -174,19 +110,18 @@ class LLM:
             init_tracing(
                 names.SERVICE_OFFLINE,
                 exporters=exporters,
-                otlp_endpoint=cfg.otlp_endpoint,
-                trace_steps=cfg.trace_steps,
+                otlp_endpoint=otlp,
+                trace_steps=steps,
             )
             atexit.register(_shutdown_at_exit, weakref.ref(self))
             return True
         if self.trace_db is not None:
-            self._collector, cfg.collector_endpoint = start_collector_process(str(self.trace_db))
+            self._collector, url = start_collector_process(str(self.trace_db))
+            self.endpoints = Endpoints(collector=url)
         init_process_tracing(
-            names.SERVICE_API,
-            collector_endpoint=cfg.collector_endpoint,
-            otlp_endpoint=cfg.otlp_endpoint,
-            trace_steps=cfg.trace_steps,
-        )
+            names.SERVICE_API, collector_endpoint=self.endpoints.collector, otlp_endpoint=otlp,
+            trace_steps=steps,
+        )  # fmt: skip
         # Registered after the collector's own finalizer: at exit this runs first, and stops
         # the collector last.
         atexit.register(_shutdown_at_exit, weakref.ref(self))
@@ -200,7 +135,7 @@ class LLM:
         if self._trace_store is not None:
             return self._trace_store.df(sql)
         self.client.call_utility("flush_traces")  # the engine core and its workers
-        client = CollectorClient(self.config.collector_endpoint)
+        client = CollectorClient(self.endpoints.collector)
         client.flush()
         return client.df(sql)
 
@@ -317,46 +252,45 @@ class LLM:
                 )
         # Validate everything before the first request enters the engine: all or nothing.
         # n > 1 fans out into n engine-core requests, merged back below (as in AsyncLLM).
+        frontend = self.frontend
         parents = [
-            ParentRequest(
-                self.processor.process(str(next(self._ids)), tokens, params, arrival_time)
-            )
+            frontend.make_request(str(next(self._ids)), tokens, params, arrival_time)
             for tokens, params in zip(token_lists, params_list, strict=True)
         ]
         operation = names.OPERATION_TEXT_COMPLETION if texts_are_prompts else names.OPERATION_CHAT
-        spans: dict[str, Any] = {}  # each child's `stepscope.request` span, ended as it finishes
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(
             total=sum(len(p.children) for p in parents), desc="generate", disable=not use_tqdm
         )
         try:
             for text, parent in zip(texts, parents, strict=True):
-                for req in parent.children:
-                    state = self.output_processor.add_request(
-                        req, operation=operation, stream=False, prompt=text
-                    )
-                    spans[req.request_id] = state.span
+                flight = frontend.track(parent, operation=operation, stream=False, prompt=text)
+                for child, state in zip(parent.children, flight.states, strict=True):
                     with state.span.current():
-                        state.span.set_attribute(names.DP_RANK, self.client.add_request(req))
-            while self.output_processor.has_unfinished_requests():
-                processed = self.output_processor.process_outputs(self.client.get_output().outputs)
+                        frontend.sent_to(state, self.client.add_request(child))
+            while frontend.output_processor.has_unfinished_requests():
+                processed = frontend.process_outputs(self.client.get_output().outputs)
                 if processed.reqs_to_abort:
                     self.client.abort_requests(processed.reqs_to_abort)
+                frontend.delivered(processed.request_outputs)
                 for out in processed.request_outputs:
-                    spans[out.request_id].end()
                     finished[out.request_id] = out
                     bar.update(1)
         except BaseException:
-            unfinished = list(self.output_processor.request_states)
-            self.output_processor.abort_requests(unfinished)
+            unfinished = frontend.release_all()
             if not isinstance(self.client, SyncMPClient) or self.client.dead_reason is None:
                 self.client.abort_requests(unfinished)
             raise
         finally:
             bar.close()
-            for span in spans.values():
-                span.end()
+            frontend.release_all()
         return [parent.merge([finished[i] for i in parent.child_ids]) for parent in parents]
+
+
+def _in_process(config: EngineConfig) -> bool:
+    """ "uni" with one DP rank: the engine core runs in this process; else over ZMQ."""
+    p = config.parallel_config
+    return p.executor == "uni" and p.data_parallel_size == 1
 
 
 def _shutdown_at_exit(ref: weakref.ref[LLM]) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from stepscope.engine.config import Endpoints, EngineConfig, init_engine_process_tracing
 from stepscope.engine.entrypoints.api_server import build_app
 from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.traces import names
@@ -27,7 +28,7 @@ from stepscope.traces.process import (
     free_port,
     watch_parent_from_env,
 )
-from stepscope.traces.setup import init_process_tracing, shutdown_tracing
+from stepscope.traces.setup import shutdown_tracing
 
 
 def default_trace_db() -> Path:
@@ -42,54 +43,34 @@ def serve(args: argparse.Namespace) -> None:
             "--no-trace records nothing: drop --trace-db, --otlp-endpoint and "
             "--dashboard-port, or drop --no-trace"
         )
-    engine_args = dict(
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-        executor=args.executor,
-        tensor_parallel_size=args.tp,
-        data_parallel_size=args.dp,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port if args.nnodes > 1 else None,
-        otlp_endpoint=args.otlp_endpoint,
-        trace_steps=args.trace_steps,
-        trace_content=args.trace_content,
-    )
-    name = args.served_model_name or args.model
-    # Validate the configuration before anything starts, so a typo fails fast and clearly.
-    from stepscope.engine.config import EngineConfig
+    from stepscope.engine.engine_args import engine_config_from_args
     from stepscope.engine.entrypoints import launcher
     from stepscope.engine.models.config import read_model_shape
     from stepscope.engine.models.loader import resolve_model
 
-    config = EngineConfig(model=args.model, offline=False, **engine_args)
-    model_dir = resolve_model(args.model)
-    read_model_shape(model_dir, args.tp)  # a checkpoint it cannot run: refused
-    # dtype="auto" is decided once, here, so that every process runs the same dtype.
-    config.resolve_dtype(model_dir)
-    engine_args.update(dtype=config.dtype, dtype_reason=config.dtype_reason)
-    print(f"stepscope: dtype {config.dtype} ({config.dtype_reason})", flush=True)
     launcher.check_scale_out_args(args)
+    # The configuration, built and validated once before anything starts (a typo fails fast
+    # and clearly), and sent whole to every process.
+    trace_db = args.trace_db or (str(default_trace_db()) if tracing else None)
+    config = engine_config_from_args(args, offline=False, trace_db=trace_db)
+    model_dir = resolve_model(config.model_config.model)
+    # A checkpoint it cannot run is refused.
+    read_model_shape(model_dir, config.parallel_config.tensor_parallel_size)
+    # dtype="auto" is decided once, here, so that every process runs the same dtype.
+    config = config.resolve_dtype(model_dir)
+    print(f"stepscope: dtype {config.model_config.dtype} ({config.model_config.dtype_reason})",
+          flush=True)  # fmt: skip
     if args.headless:
-        launcher.run_headless(args, engine_args)
+        launcher.run_headless(args, config)
         return
+    name = args.served_model_name or config.model_config.model
     # One API server with every rank on this machine: this process is the API server, and its
     # AsyncLLM starts the engine. Otherwise this process launches everything (launcher.py).
     run = _run if not launcher.needs_launcher(args) else launcher.launch
     if not tracing:
-        run(args, engine_args, name)
+        run(args, config, Endpoints(), name)
         return
-    trace_db = Path(args.trace_db) if args.trace_db else default_trace_db()
-    trace_db.parent.mkdir(parents=True, exist_ok=True)
+    Path(trace_db).parent.mkdir(parents=True, exist_ok=True)
     # The collector owns the trace file while we run; every process sends it spans over OTLP.
     extensions = list(args.collector_extensions)
     if args.dashboard_port is not None:
@@ -98,21 +79,14 @@ def serve(args: argparse.Namespace) -> None:
         extensions.append("stepscope.viz.dashboard:mount_on_collector")
     # Engine cores on other machines send their spans here too: listen where they can reach.
     host = args.data_parallel_address if launcher.has_remote_ranks(args) else "127.0.0.1"
-    collector, collector_url = start_collector_process(
-        str(trace_db), host=host, extensions=extensions
-    )
-    engine_args["collector_endpoint"] = collector_url
-    init_process_tracing(
-        names.SERVICE_API,
-        collector_endpoint=collector_url,
-        otlp_endpoint=args.otlp_endpoint,
-        trace_steps=args.trace_steps,
-    )
+    collector, collector_url = start_collector_process(trace_db, host=host, extensions=extensions)
+    endpoints = Endpoints(collector=collector_url)
+    init_engine_process_tracing(names.SERVICE_API, config, endpoints)
     print(f"stepscope: traces -> {trace_db} (collector {collector_url})", flush=True)
     if args.dashboard_port is not None:
         print(f"stepscope: dashboard on http://127.0.0.1:{args.dashboard_port}", flush=True)
     try:
-        run(args, engine_args, name)
+        run(args, config, endpoints, name)
     finally:
         # Every other process has stopped and flushed by now (run() returns after the engine
         # cores, workers and API servers have exited): this process's spans, then the
@@ -124,10 +98,10 @@ def serve(args: argparse.Namespace) -> None:
         print(f"stepscope: trace saved to {trace_db}: {describe_summary(summary)}", flush=True)
 
 
-def _run(args: argparse.Namespace, engine_args: dict, name: str) -> None:
+def _run(args: argparse.Namespace, config: EngineConfig, endpoints: Endpoints, name: str) -> None:
     """Serve the OpenAI API until SIGINT/SIGTERM."""
     app = build_app(
-        lambda: AsyncLLM(args.model, **engine_args),
+        lambda: AsyncLLM(config=config, endpoints=endpoints, model_name=name),
         model_name=name,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from stepscope.engine.config import EngineConfig
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
 from stepscope.traces.setup import flush_tracing
 
@@ -38,6 +39,10 @@ class Executor(ABC):
 
     def check_health(self) -> None:  # noqa: B027 - an in-process worker cannot die apart
         """Raise RuntimeError if a worker is gone; called by the idle busy loop, never blocks."""
+
+    @abstractmethod
+    def worker_configs(self) -> list[EngineConfig]:
+        """Each worker rank's configuration, as it arrived in its process."""
 
     def flush_traces(self) -> None:
         """Export the spans the workers have ended so far."""

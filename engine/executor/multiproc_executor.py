@@ -60,7 +60,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from stepscope.engine.config import EngineConfig
+from stepscope.engine.config import Endpoints, EngineConfig
 from stepscope.engine.executor.abstract import Executor
 from stepscope.engine.liveness import EXECUTOR_POLL_S, WORKER_NODE_TIMEOUT_S
 from stepscope.engine.messages import (
@@ -70,7 +70,7 @@ from stepscope.engine.messages import (
     WorkerReplyKind,
     WorkerRequestKind,
 )
-from stepscope.engine.models.loader import load_config
+from stepscope.engine.models.config import read_model_shape
 from stepscope.engine.worker.worker_proc import describe_exit, start_workers, worker_addresses
 from stepscope.traces import crossing
 from stepscope.traces.crossing import traced_receive, traced_send
@@ -124,22 +124,15 @@ class _WorkerGroup:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_dir: Path, tensor_parallel_size: int) -> None:
-        shape = load_config(model_dir)
-        heads = shape["num_attention_heads"]
-        kv_heads = shape.get("num_key_value_heads", heads)
-        tp = tensor_parallel_size
-        if tp < 1 or heads % tp or kv_heads % tp:
-            raise ValueError(
-                f"tensor_parallel_size must be a positive divisor of the model's {heads} query "
-                f"heads and {kv_heads} KV heads, got {tp}"
-            )
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, endpoints: Endpoints | None = None
+    ) -> None:
+        """One worker process per TP rank of `config`; `endpoints`: where they send spans."""
+        p = config.parallel_config
+        tp = p.tensor_parallel_size
+        read_model_shape(Path(model_dir), tp)  # refuses a TP size that does not divide the heads
         self.world_size = tp
-        self.nnodes, self.master_addr, self.master_port = (
-            config.nnodes,
-            config.master_addr,
-            config.master_port,
-        )
+        self.nnodes, self.master_addr, self.master_port = p.nnodes, p.master_addr, p.master_port
         self.ready_timeout = READY_TIMEOUT_S
         self._failure: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
@@ -147,13 +140,13 @@ class MultiprocExecutor(Executor):
         tmp_dir = tempfile.mkdtemp(prefix="stepscope-executor-")
         self.addresses = worker_addresses(config, tmp_dir)
         # This machine's ranks (node 0 of `nnodes`); the others start with `serve --headless`.
-        self.local_ranks = range(tp // config.nnodes)
+        self.local_ranks = range(p.tensor_parallel_size_local)
         self.remote_pids: dict[int, int] = {}  # rank -> pid, of workers on other machines
         self._node_beats: dict[int, float] = {}  # node rank -> last heartbeat
         self._group = _WorkerGroup(tmp_dir, self.addresses.bcast, self.addresses.results)
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         try:
-            self._start_workers(config, Path(model_dir))
+            self._start_workers(config, Path(model_dir), endpoints or Endpoints())
             self._wait_ready()
         except BaseException:
             self._group.shutdown(graceful=False)
@@ -164,10 +157,11 @@ class MultiprocExecutor(Executor):
             self._poller.register(p.sentinel, zmq.POLLIN)
 
     # ---- start-up --------------------------------------------------------------------------------
-    def _start_workers(self, config: EngineConfig, model_dir: Path) -> None:
+    def _start_workers(self, config: EngineConfig, model_dir: Path, endpoints: Endpoints) -> None:
         self._group.procs.extend(
             start_workers(
                 config,
+                endpoints,
                 model_dir,
                 self.local_ranks,
                 self.world_size,
@@ -250,6 +244,9 @@ class MultiprocExecutor(Executor):
         )
         self.last_crossing_seconds = time.perf_counter() - start - worker_seconds
         return output
+
+    def worker_configs(self) -> list[EngineConfig]:
+        return [msgspec.convert(c, EngineConfig) for c in self.collective_rpc("get_config")]
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call a utility method of every rank's Worker; results in rank order."""

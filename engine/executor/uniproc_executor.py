@@ -22,5 +22,8 @@ class UniProcExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
+    def worker_configs(self) -> list[EngineConfig]:
+        return [self.worker.get_config()]
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

@@ -12,24 +12,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Mapping
+from pathlib import Path
 from typing import Any
 
-from stepscope.engine.config import EngineConfig
+from stepscope.engine.config import DEFAULT_MODEL, Endpoints, EngineConfig
+from stepscope.engine.engine_args import check_engine_kwargs
 from stepscope.engine.frontend.core_client import AsyncMPClient
 from stepscope.engine.frontend.engine_group import EngineDeadError, EngineHandles
-from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
-from stepscope.engine.frontend.output_processor import OutputProcessor
+from stepscope.engine.frontend.frontend import Frontend
+from stepscope.engine.frontend.input_processor import PromptType
 from stepscope.engine.frontend.parallel_sampling import ParentRequest
 from stepscope.engine.messages import EngineCoreOutputs, ProcessInfo
-from stepscope.engine.models.config import read_model_shape
-from stepscope.engine.models.loader import (
-    DEFAULT_MODEL,
-    load_generation_config,
-    load_tokenizer,
-    resolve_model,
-)
 from stepscope.engine.outputs import RequestOutput
-from stepscope.engine.sampling_params import SamplingParams
+from stepscope.engine.sampling_params import FieldError, SamplingParams
 from stepscope.traces import names
 
 
@@ -38,41 +33,42 @@ class AsyncLLM:
         self,
         model: str = DEFAULT_MODEL,
         *,
+        config: EngineConfig | None = None,
+        endpoints: Endpoints | None = None,
         engine_handles: EngineHandles | None = None,
         client_index: int = 0,
         output_addr: str | None = None,
-        **engine_args: Any,
+        model_name: str | None = None,
+        **engine_options: Any,
     ) -> None:
-        """Starts its own engine cores, or, given `engine_handles` from a launcher (several API
-        servers), attaches to those as API server `client_index`, receiving at `output_addr`."""
-        engine_args.setdefault("executor", "mp")
-        self.config = EngineConfig(model=model, offline=False, **engine_args)
-        self.model_name = model
-        self.model_dir = resolve_model(model)
-        # A checkpoint this engine cannot run is refused here, before any process starts.
-        shape = read_model_shape(self.model_dir, self.config.tensor_parallel_size)
-        self.config.resolve_dtype(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.client = AsyncMPClient(
-            self.config,
-            self.model_dir,
-            handles=engine_handles,
-            client_index=client_index,
-            output_addr=output_addr,
-        )
-        self.processor = InputProcessor(
-            self.tokenizer,
-            self.client.max_model_len,
-            shape.vocab_size,
-            load_generation_config(self.model_dir),
-        )
-        self.output_processor = OutputProcessor(
-            self.tokenizer, model, trace_content=self.config.trace_content
-        )
-        # Each engine-core request's outputs, waiting for its caller: children of one request
-        # share their parent's queue, and each item is a list of their outputs from one step.
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._parents: dict[str, ParentRequest] = {}  # requests in flight, by request id
+        """The engine a server runs: given a built `config` (serve, the launcher), or built
+        here from `model` and the engine options (`max_num_seqs=...`; executor "mp" unless
+        told). It starts its own engine cores, or, given `engine_handles` from a launcher
+        (several API servers), attaches to those as API server `client_index`, receiving at
+        `output_addr`. `endpoints`: where the engine's processes send spans."""
+        if config is None:
+            check_engine_kwargs(engine_options)
+            engine_options.setdefault("executor", "mp")
+            config = EngineConfig.create(model=model, offline=False, **engine_options)
+        elif engine_options:
+            raise ValueError(f"engine options given beside a config: {sorted(engine_options)}")
+        self.model_name = model_name or config.model_config.model
+
+        def make_client(resolved: EngineConfig, model_dir: Path) -> AsyncMPClient:
+            return AsyncMPClient(
+                resolved,
+                model_dir,
+                endpoints,
+                handles=engine_handles,
+                client_index=client_index,
+                output_addr=output_addr,
+            )
+
+        self.frontend = Frontend(config, make_client, model_name=self.model_name)
+        self.config = self.frontend.config
+        self.client: AsyncMPClient = self.frontend.client
+        self.tokenizer = self.frontend.tokenizer
+        self.processor = self.frontend.processor
         self._started = False
         self.dead_reason: str | None = None
 
@@ -118,9 +114,8 @@ class AsyncLLM:
         `finished`, once every sequence has finished."""
         if arrival_time is None:
             arrival_time = time.time()
-        token_ids = self.processor.tokenize(prompt)
-        request = self.processor.process(request_id, token_ids, sampling_params, arrival_time)
-        return self._generate(ParentRequest(request), operation, trace_headers)
+        parent = self.frontend.make_request(request_id, prompt, sampling_params, arrival_time)
+        return self._generate(parent, operation, trace_headers)
 
     async def _generate(
         self, parent: ParentRequest, operation: str, trace_headers: Mapping[str, str] | None
@@ -128,58 +123,44 @@ class AsyncLLM:
         self._ensure_started()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        if parent.request_id in self._parents or any(i in self._queues for i in parent.child_ids):
-            raise ValueError(f"request id {parent.request_id!r} is already in flight")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues.update(dict.fromkeys(parent.child_ids, queue))
-        self._parents[parent.request_id] = parent
-        spans: dict[str, Any] = {}  # each child's `stepscope.request` span
+        # Each item on the queue is a list of its children's outputs from one step.
+        flight = self.frontend.track(
+            parent, operation=operation, stream=True, trace_headers=trace_headers,
+            queue=asyncio.Queue(),
+        )  # fmt: skip
         try:
-            for child in parent.children:
-                state = self.output_processor.add_request(
-                    child, operation=operation, stream=True, trace_headers=trace_headers
-                )
-                spans[child.request_id] = state.span
+            for child, state in zip(parent.children, flight.states, strict=True):
                 with state.span.current():
-                    state.span.set_attribute(names.DP_RANK, await self.client.add_request(child))
+                    self.frontend.sent_to(state, await self.client.add_request(child))
             while True:
-                item = await queue.get()
+                item = await flight.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 merged = parent.merge(item)
                 yield merged
-                for out in item:
-                    if out.finished:
-                        spans[out.request_id].end()  # its last output is out
+                self.frontend.delivered(item)
                 if merged.finished:
                     return
         finally:
-            await self._forget(parent.request_id, parent.child_ids)
-            for span in spans.values():
-                span.end()
+            await self._forget(parent.request_id)
 
     async def abort(self, request_id: str) -> None:
-        parent = self._parents.get(request_id)
-        await self._forget(request_id, parent.child_ids if parent else [request_id])
+        await self._forget(request_id)
 
-    async def _forget(self, request_id: str, child_ids: list[str]) -> None:
+    async def _forget(self, request_id: str) -> None:
         """Stop tracking a request; abort its engine-core requests still running."""
-        self._parents.pop(request_id, None)
-        for child_id in child_ids:
-            self._queues.pop(child_id, None)
-        running = [i for i in child_ids if i in self.output_processor.request_states]
+        running = self.frontend.release(request_id)
         if running:
-            self.output_processor.abort_requests(running)
             await self.client.abort_requests(running)
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
-        processed = self.output_processor.process_outputs(outputs.outputs)
-        batches: dict[asyncio.Queue, list[RequestOutput]] = {}
+        processed = self.frontend.process_outputs(outputs.outputs)
+        batches: dict[int, tuple[asyncio.Queue, list[RequestOutput]]] = {}
         for out in processed.request_outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                batches.setdefault(queue, []).append(out)
-        for queue, batch in batches.items():
+            flight = self.frontend.flight_of(out.request_id)
+            if flight is not None:
+                batches.setdefault(id(flight), (flight.queue, []))[1].append(out)
+        for queue, batch in batches.values():
             queue.put_nowait(batch)
         if processed.reqs_to_abort:
             asyncio.get_running_loop().create_task(
@@ -188,9 +169,11 @@ class AsyncLLM:
 
     def _on_dead(self, reason: str) -> None:
         self.dead_reason = reason
-        self.output_processor.abort_requests(list(self.output_processor.request_states))
-        for queue in set(self._queues.values()):
-            queue.put_nowait(EngineDeadError(reason))
+        self.frontend.output_processor.abort_requests(
+            list(self.frontend.output_processor.request_states)
+        )
+        for flight in self.frontend.requests.values():
+            flight.queue.put_nowait(EngineDeadError(reason))
 
     # ---- utilities ----------------------------------------------------------------------------
     async def get_stats(self) -> dict[str, float]:
@@ -206,3 +189,43 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self.client.shutdown()
+
+    # ---- the tokenizer and the checkpoint's defaults, for the HTTP routes ----------------------
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The checkpoint's sampling values (generation_config.json) for a request that leaves
+        them unset."""
+        return self.frontend.processor.default_sampling
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer, for the response builders that turn token ids into text."""
+        return self.frontend.tokenizer
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.frontend.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """A chat's prompt ids, as a chat request sends them to the engine."""
+        return self.frontend.processor.apply_chat_template(messages)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`; an id outside the vocabulary raises `FieldError("tokens")`."""
+        vocab = self.frontend.processor.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise FieldError("tokens", f"tokens must be token ids in [0, {vocab})")
+        return self.frontend.tokenizer.decode(token_ids)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's class, special tokens, chat template and sizes (vLLM's
+        /tokenizer_info)."""
+        tok = self.frontend.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": tok.chat_template,
+            "model_max_length": self.max_model_len,
+            "vocab_size": self.frontend.processor.vocab_size,
+        }

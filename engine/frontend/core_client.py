@@ -31,7 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from stepscope.engine.config import EngineConfig
+from stepscope.engine.config import Endpoints, EngineConfig
 from stepscope.engine.core.dp_coordinator import decode_loads
 from stepscope.engine.core.engine_core import EngineCore
 from stepscope.engine.frontend.engine_group import (
@@ -43,6 +43,7 @@ from stepscope.engine.frontend.engine_group import (
 from stepscope.engine.frontend.load_balancer import LoadBalancer, merge_utility_results
 from stepscope.engine.liveness import ENGINE_PROCESS_POLL_S
 from stepscope.engine.messages import (
+    ENGINE_CORE_UTILITY_METHODS,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
@@ -51,6 +52,7 @@ from stepscope.engine.messages import (
     RequestKind,
     UtilityRequest,
     UtilityResult,
+    call_utility,
 )
 from stepscope.traces import crossing
 from stepscope.traces.crossing import traced_receive, traced_send
@@ -80,7 +82,7 @@ class InprocClient:
         return outputs
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        return getattr(self.core, method)(*args)
+        return call_utility(self.core, ENGINE_CORE_UTILITY_METHODS, method, args)
 
     def processes(self) -> list[ProcessInfo]:
         return self.core.processes()
@@ -142,6 +144,7 @@ class MPClient:
         ctx: zmq.Context,
         config: EngineConfig,
         model_dir: Path | None,
+        endpoints: Endpoints,
         handles: EngineHandles | None = None,
         client_index: int = 0,
         output_addr: str | None = None,
@@ -157,7 +160,7 @@ class MPClient:
         if handles is None:
             assert model_dir is not None
             try:
-                self.group = EngineGroup(config, model_dir, [output_addr])
+                self.group = EngineGroup(config, model_dir, endpoints, [output_addr])
             except BaseException:
                 self.output_sock.close(linger=0)
                 self.ctx.term()
@@ -167,7 +170,7 @@ class MPClient:
             handles = self.group.handles()
         self.handles = handles
         self.client_index = client_index
-        self.dp = config.data_parallel_size
+        self.dp = config.parallel_config.data_parallel_size
         self.input_socks = [_connect(self.ctx, zmq.PUSH, a) for a in handles.input_addrs]
         self.loads_sock = None
         if handles.publish_addr is not None:
@@ -280,8 +283,10 @@ class SyncMPClient(MPClient):
     `LLM` with data_parallel_size > 1): one per DP rank, each request sent to the least-loaded.
     A death raises EngineDeadError in the call that finds it."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
-        super().__init__(zmq.Context(), config, model_dir)
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, endpoints: Endpoints | None = None
+    ) -> None:
+        super().__init__(zmq.Context(), config, model_dir, endpoints or Endpoints())
         self._outputs: queue.SimpleQueue[EngineCoreOutputs] = queue.SimpleQueue()
         self._checked_at = 0.0
         self._poller = zmq.Poller()
@@ -356,14 +361,16 @@ class AsyncMPClient(MPClient):
         self,
         config: EngineConfig,
         model_dir: Path | None = None,
+        endpoints: Endpoints | None = None,
         *,
         handles: EngineHandles | None = None,
         client_index: int = 0,
         output_addr: str | None = None,
     ) -> None:
         super().__init__(
-            zmq.asyncio.Context(), config, model_dir, handles, client_index, output_addr
-        )
+            zmq.asyncio.Context(), config, model_dir, endpoints or Endpoints(), handles,
+            client_index, output_addr,
+        )  # fmt: skip
         self._tasks: list[asyncio.Task] = []
 
     def start(self, on_outputs, on_dead) -> None:

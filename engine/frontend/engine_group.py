@@ -12,7 +12,6 @@ API servers or machines). Mirrors vLLM's vllm/v1/engine/utils.py (`CoreEnginePro
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from stepscope.engine.config import EngineConfig
+from stepscope.engine.config import Endpoints, EngineConfig
 from stepscope.engine.liveness import ENGINE_PROCESS_POLL_S
 from stepscope.engine.messages import (
     CoreAddresses,
@@ -122,6 +121,7 @@ class EngineGroup:
         self,
         config: EngineConfig,
         model_dir: Path,
+        endpoints: Endpoints,
         output_addrs: list[str],
         *,
         local_ranks: range | None = None,
@@ -129,7 +129,7 @@ class EngineGroup:
         host: str | None = None,
         ready_timeout: float = STARTUP_TIMEOUT_S,
     ) -> None:
-        self.size = config.data_parallel_size
+        self.size = config.parallel_config.data_parallel_size
         local_ranks = range(self.size) if local_ranks is None else local_ranks
         self._dir = tempfile.mkdtemp(prefix="stepscope-")
         self._ctx = zmq.Context()
@@ -141,8 +141,8 @@ class EngineGroup:
             self, _stop_group, self.procs, self._coordinators, self._dir, self._ctx
         )
         try:
-            self._start(config, model_dir, output_addrs, local_ranks, handshake_bind, host,
-                        ready_timeout)  # fmt: skip
+            self._start(config, model_dir, endpoints, output_addrs, local_ranks, handshake_bind,
+                        host, ready_timeout)  # fmt: skip
         except BaseException:
             self.stop()
             raise
@@ -151,6 +151,7 @@ class EngineGroup:
         self,
         config: EngineConfig,
         model_dir: Path,
+        endpoints: Endpoints,
         output_addrs: list[str],
         local_ranks: range,
         handshake_bind: str | None,
@@ -178,8 +179,8 @@ class EngineGroup:
                     coordinator_addr,
                     self.publish_addr,
                     os.getpid(),
-                    config.collector_endpoint,
-                    config.otlp_endpoint,
+                    endpoints.collector,
+                    config.observability_config.otlp_endpoint,
                     head_addr,
                 ),
             )
@@ -187,6 +188,7 @@ class EngineGroup:
         for local, rank in enumerate(local_ranks):
             self.procs[rank] = start_core_process(
                 config,
+                endpoints,
                 model_dir,
                 rank,
                 handshake_addr,
@@ -308,6 +310,7 @@ def _stop_group(procs: dict, coordinator: list, folder: str, ctx: zmq.Context) -
 
 def start_core_process(
     config: EngineConfig,
+    endpoints: Endpoints,
     model_dir: Path,
     rank: int,
     handshake_addr: str,
@@ -317,16 +320,11 @@ def start_core_process(
 ) -> subprocess.Popen:
     """One engine-core process for DP rank `rank`, the `local_index`-th of `local_size` on this
     machine; it registers at `handshake_addr`."""
-    rank_config = dataclasses.replace(
-        config,
-        data_parallel_rank=rank,
-        data_parallel_rank_local=local_index,
-        data_parallel_size_local=local_size,
-    )
     return _spawn(
         "stepscope.engine.core.core_proc",
         CoreProcArgs(
-            config=dataclasses.asdict(rank_config),
+            config=config.for_dp_rank(rank, local_index, local_size),
+            endpoints=endpoints,
             model_dir=str(model_dir),
             handshake_addr=handshake_addr,
             input_bind=input_bind,

@@ -44,6 +44,7 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    dp_rank: int | None = None  # the engine core it was sent to
 
 
 @dataclass(slots=True)
@@ -78,8 +79,8 @@ class OutputProcessor:
         prompt: str | None = None,
         trace_headers: Mapping[str, str] | None = None,
     ) -> RequestState:
-        """Track a request before it is sent; send it inside `state.span.current()` and call
-        `state.span.end()` once its last output is delivered."""
+        """Track a request before it is sent; send it inside `state.span.current()`. Its span
+        is ended by the caller (frontend.py) once its last output is delivered."""
         if request.request_id in self.request_states:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         params = request.sampling_params

@@ -91,20 +91,21 @@ class ModelRunner:
         tp_size: int = 1,
         all_reduce=None,
     ) -> None:
-        self.config = config
-        self.device = torch.device(config.device)
-        config.resolve_dtype(model_dir)  # a no-op where the front end resolved "auto" already
-        self.dtype = config.torch_dtype
-        self.block_size = config.block_size
+        # A no-op where the front end resolved dtype "auto" already.
+        self.config = config = config.resolve_dtype(model_dir)
+        m = config.model_config
+        self.device = torch.device(m.device)
+        self.dtype = m.torch_dtype
+        self.block_size = config.cache_config.block_size
         self.shape = read_model_shape(model_dir)
-        self.attn = make_attention_backend(config.attention_backend, self.block_size, self.device)
+        self.attn = make_attention_backend(m.attention_backend, self.block_size, self.device)
         weights = load_weights(model_dir)
         self.model = LlamaModel(
             self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce
         )
         self.tp_size = tp_size
         self.num_kv_heads = self.shape.num_kv_heads // tp_size
-        self.sampler = Sampler(self.device, config.seed, cpu_kernels=self.attn.name == "cpu")
+        self.sampler = Sampler(self.device, m.seed, cpu_kernels=self.attn.name == "cpu")
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -115,9 +116,10 @@ class ModelRunner:
         return 2 * s.num_layers * self.block_size * self.num_kv_heads * s.head_dim * elem
 
     def determine_num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        fraction = self.config.kv_cache_memory_fraction
+        cache, p = self.config.cache_config, self.config.parallel_config
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        fraction = cache.kv_cache_memory_fraction
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * (fraction or 0.85))
@@ -125,7 +127,7 @@ class ModelRunner:
             avail = available_memory_bytes()
             budget = int(avail * fraction) if fraction else min(CPU_KV_CACHE_MAX_BYTES, avail // 4)
             # Every TP worker of every DP rank on this CPU shares this host's memory.
-            budget //= self.config.tensor_parallel_size_local * self.config.local_data_parallel_size
+            budget //= p.tensor_parallel_size_local * p.data_parallel_ranks_here
         return max(budget // self.kv_block_bytes(), 1)
 
     def init_kv_cache(self, num_blocks: int) -> None:

@@ -43,8 +43,9 @@ class Worker:
         all_reduce=None,
     ) -> None:
         self.rank = rank
-        if config.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(config.device))
+        device = config.model_config.device
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
         else:
             keep_freed_memory()
         self.model_runner = ModelRunner(config, model_dir, rank, world_size, all_reduce)
@@ -54,6 +55,10 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.init_kv_cache(num_blocks)
+
+    def get_config(self) -> EngineConfig:
+        """The configuration this worker runs with (as it arrived in its process)."""
+        return self.model_runner.config
 
     def flush_traces(self) -> bool:
         return flush_tracing()

@@ -21,7 +21,6 @@ Exits skip interpreter teardown (`os._exit`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import multiprocessing
 import os
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import msgspec
 import zmq
 
-from stepscope.engine.config import EngineConfig
+from stepscope.engine.config import Endpoints, EngineConfig, init_engine_process_tracing
 from stepscope.engine.liveness import WORKER_NODE_HEARTBEAT_S
 from stepscope.engine.messages import (
     WORKER_UTILITY_METHODS,
@@ -45,11 +44,12 @@ from stepscope.engine.messages import (
     WorkerAddresses,
     WorkerReplyKind,
     WorkerRequestKind,
+    call_utility,
 )
 from stepscope.traces import crossing, names
 from stepscope.traces.crossing import traced_receive, traced_send
 from stepscope.traces.process import free_port, ignore_terminal_signals, watch_parent
-from stepscope.traces.setup import init_process_tracing, shutdown_tracing
+from stepscope.traces.setup import shutdown_tracing
 
 if TYPE_CHECKING:
     from stepscope.engine.worker.worker import Worker
@@ -68,9 +68,9 @@ def describe_exit(code: int | None) -> str:
 def worker_addresses(config: EngineConfig, tmp_dir: str | None = None) -> WorkerAddresses:
     """ipc in `tmp_dir` with every worker on this machine; TCP at master_addr:master_port (+1,
     +2 for the sockets) when some run on other machines."""
-    if config.nnodes > 1:
-        host, port = config.master_addr, config.master_port
-        assert port is not None
+    p = config.parallel_config
+    if p.nnodes > 1:
+        host, port = p.master_addr, p.master_port
         return WorkerAddresses(
             f"tcp://{host}:{port + 1}", f"tcp://{host}:{port + 2}", f"tcp://{host}:{port}"
         )
@@ -81,6 +81,7 @@ def worker_addresses(config: EngineConfig, tmp_dir: str | None = None) -> Worker
 
 def start_workers(
     config: EngineConfig,
+    endpoints: Endpoints,
     model_dir: Path,
     ranks: range,
     world_size: int,
@@ -89,7 +90,7 @@ def start_workers(
 ) -> list[BaseProcess]:
     """One spawned worker process per rank in `ranks` (this machine's) of `world_size`."""
     spawn = multiprocessing.get_context("spawn")
-    config_bytes = msgspec.msgpack.encode(config)
+    config_bytes = msgspec.msgpack.encode((config, endpoints))
     procs = []
     for rank in ranks:
         proc = spawn.Process(
@@ -149,15 +150,13 @@ def _worker_main(
     _exit_when_parent_dies(parent_pid, socket_dir if rank == 0 else None)
     proc = WorkerProc(rank, addresses)
     try:
-        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-        init_process_tracing(
-            names.SERVICE_WORKER,
-            rank=rank,
-            dp_rank=config.data_parallel_rank,
-            collector_endpoint=config.collector_endpoint,
-            otlp_endpoint=config.otlp_endpoint,
-            trace_steps=config.trace_steps,
+        config, endpoints = msgspec.msgpack.decode(
+            config_bytes, type=tuple[EngineConfig, Endpoints]
         )
+        init_engine_process_tracing(
+            names.SERVICE_WORKER, config, endpoints, rank=rank,
+            dp_rank=config.parallel_config.data_parallel_rank,
+        )  # fmt: skip
         worker = _build_worker(config, Path(model_dir), rank, world_size, addresses.dist_init)
     except BaseException:
         proc.exit_with_error(flush_spans=False)
@@ -171,24 +170,24 @@ def _build_worker(
 
     from stepscope.engine.worker.worker import Worker
 
-    # The group is what the executor was asked for (threads and the KV share follow from it).
-    config = dataclasses.replace(config, tensor_parallel_size=world_size, executor="mp")
-    if config.device.startswith("cuda"):
-        base = torch.device(config.device).index or 0
-        local = rank % config.tensor_parallel_size_local  # its index on its own machine
-        config = dataclasses.replace(config, device=f"cuda:{base + local}")
+    m, p = config.model_config, config.parallel_config
+    if m.device.startswith("cuda"):
+        base = torch.device(m.device).index or 0
+        local = rank % p.tensor_parallel_size_local  # its index on its own machine
+        m = msgspec.structs.replace(m, device=f"cuda:{base + local}")
+        config = config.replace(model_config=m)
     else:
         # Ranks share the cores: without this each would start one thread per core.
-        torch.set_num_threads(config.cpu_threads_per_process)
+        torch.set_num_threads(p.cpu_threads_per_process)
     all_reduce = None
     if world_size > 1:
         import torch.distributed as dist
 
-        if config.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(config.device))
+        if m.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(m.device))
             backend = "nccl"
         else:
-            if config.nnodes == 1 or config.master_addr.startswith("127."):
+            if p.nnodes == 1 or p.master_addr.startswith("127."):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
             backend = "gloo"
         dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size)
@@ -233,9 +232,7 @@ class WorkerProc:
                 self.execute_model(worker, payload)
             elif kind == WorkerRequestKind.CALL:
                 method, args = msgspec.msgpack.decode(payload)
-                if method not in WORKER_UTILITY_METHODS:
-                    raise ValueError(f"unknown utility method {method!r}")
-                result = getattr(worker, method)(*args)
+                result = call_utility(worker, WORKER_UTILITY_METHODS, method, args)
                 self.reply(WorkerReplyKind.RESULT, self.encoder.encode(result))
             else:
                 raise ValueError(f"unknown message kind {kind!r}")
@@ -282,20 +279,24 @@ def run_worker_node(config: EngineConfig, model_dir: Path) -> int:
     TP workers of an engine core on node 0. They connect to its sockets; this process sends the
     node's heartbeat there, reports a worker that dies, and returns (0) once every worker has
     stopped (the core broadcast STOP), or 1 after a failure or a signal."""
-    local = config.tensor_parallel_size_local
-    ranks = range(config.node_rank * local, (config.node_rank + 1) * local)
+    p = config.parallel_config
+    local = p.tensor_parallel_size_local
+    ranks = range(p.node_rank * local, (p.node_rank + 1) * local)
     addresses = worker_addresses(config)
     stopping: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda signum, frame: stopping.append(signum))
-    procs = start_workers(config, model_dir, ranks, config.tensor_parallel_size, addresses, None)
+    # Spans go to --otlp-endpoint only: a headless machine has no collector.
+    procs = start_workers(
+        config, Endpoints(), model_dir, ranks, p.tensor_parallel_size, addresses, None
+    )
     ctx = zmq.Context()
     beat = ctx.socket(zmq.PUSH)
     beat.setsockopt(zmq.LINGER, 2000)
     beat.connect(addresses.results)
-    header = msgspec.msgpack.encode((config.node_rank, 0.0))
+    header = msgspec.msgpack.encode((p.node_rank, 0.0))
     print(
-        f"stepscope: headless: TP workers {list(ranks)} of node {config.node_rank} (pids "
+        f"stepscope: headless: TP workers {list(ranks)} of node {p.node_rank} (pids "
         f"{[p.pid for p in procs]}) joining {addresses.bcast}",
         flush=True,
     )

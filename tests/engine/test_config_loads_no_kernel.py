@@ -41,7 +41,11 @@ NOTHING_LOADED = {"ops_imported": False, "build_loaded": False, "mapped": []}
 
 @pytest.mark.parametrize(
     "config",
-    ["EngineConfig()", "EngineConfig(offline=False)", "EngineConfig(attention_backend='cpu')"],
+    [
+        "EngineConfig.create()",
+        "EngineConfig.create(offline=False)",
+        "EngineConfig.create(attention_backend='cpu')",
+    ],
 )
 def test_building_a_config_loads_no_kernel_library(config: str) -> None:
     setup = f"import stepscope.engine\nfrom stepscope.engine.config import EngineConfig\n{config}"

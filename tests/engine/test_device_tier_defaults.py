@@ -51,6 +51,7 @@ def test_cpu_tier_is_a_quarter_of_vllms_cpu_budget() -> None:
 
 
 def test_a_config_without_a_budget_takes_its_device_row() -> None:
-    offline, server = EngineConfig(), EngineConfig(offline=False)
+    offline = EngineConfig.create().scheduler_config
+    server = EngineConfig.create(offline=False).scheduler_config
     assert (offline.max_num_batched_tokens, offline.max_num_seqs) == (1024, 128)
     assert (server.max_num_batched_tokens, server.max_num_seqs) == (512, 64)

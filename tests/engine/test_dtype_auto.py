@@ -48,17 +48,16 @@ def test_checkpoint_dtype_reads_either_key(tmp_path: Path, fields: dict, expecte
 
 
 def test_the_default_is_auto_and_is_resolved_before_use() -> None:
-    config = EngineConfig(model="tiny-llama")
-    assert config.dtype == "auto"
+    config = EngineConfig.create(model="tiny-llama")
+    assert config.model_config.dtype == "auto"
     with pytest.raises(RuntimeError, match="resolve"):
-        _ = config.torch_dtype
-    config.resolve_dtype(resolve_model("tiny-llama"))
-    assert (config.dtype, config.dtype_reason) == ("float32", "auto: the checkpoint is float32")
-    asked = EngineConfig(model="tiny-llama", dtype="float32")
-    asked.resolve_dtype(resolve_model("tiny-llama"))
-    assert asked.dtype_reason == "asked for"
+        _ = config.model_config.torch_dtype
+    m = config.resolve_dtype(resolve_model("tiny-llama")).model_config
+    assert (m.dtype, m.dtype_reason) == ("float32", "auto: the checkpoint is float32")
+    asked = EngineConfig.create(model="tiny-llama", dtype="float32")
+    assert asked.resolve_dtype(resolve_model("tiny-llama")).model_config.dtype_reason == "asked for"
     with pytest.raises(ValueError, match="'auto' or one of"):
-        EngineConfig(dtype="fp32")
+        EngineConfig.create(dtype="fp32")
 
 
 def test_smollm2_names_its_published_dtype() -> None:
@@ -74,7 +73,8 @@ def test_llm_runs_a_bfloat16_checkpoint_in_what_this_cpu_runs_natively(tmp_path:
     (folder / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
     expected = auto_dtype("bfloat16", "cpu", cpu_flags())
     with LLM(model=str(folder), num_kv_blocks=16) as llm:
-        assert (llm.config.dtype, llm.config.dtype_reason) == expected
+        m = llm.config.model_config
+        assert (m.dtype, m.dtype_reason) == expected
         worker_dtype = llm.engine_core.executor.worker.model_runner.dtype
         assert str(worker_dtype) == f"torch.{expected[0]}"
         out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))

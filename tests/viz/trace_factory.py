@@ -159,6 +159,9 @@ class FakeExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 
+    def worker_configs(self) -> list:
+        return []  # its fake runners take no config
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         futures = []
@@ -218,7 +221,7 @@ class _Run:
         self.exporter = InMemorySpanExporter()
         self.state = _PerThreadState(_providers(self.exporter))
         self.rng = random.Random(seed)
-        config = EngineConfig(
+        config = EngineConfig.create(
             model=MODEL,
             block_size=BLOCK_SIZE,
             num_kv_blocks=NUM_BLOCKS,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stepscope.engine.engine_args import add_engine_args
 from stepscope.engine.models.loader import DEFAULT_MODEL
 
 
@@ -26,8 +27,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=192)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
+    add_engine_args(p, only=("max_num_batched_tokens", "max_num_seqs"))
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:

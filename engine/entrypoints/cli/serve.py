@@ -1,13 +1,14 @@
 """`stepscope serve` (the OpenAI-compatible server, engine core and workers) and `stepscope demo`.
 
-The engine's flags are `add_engine_args`, apart from the flags of the server and of the machines
-that run it.
+The engine's flags are generated from `EngineConfig`'s fields (engine/engine_args.py), apart
+from the flags of the server and of the machines that run it.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from stepscope.engine.engine_args import add_engine_args
 from stepscope.engine.models.loader import DEFAULT_MODEL
 
 
@@ -21,14 +22,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="the OpenAI-compatible server, engine core and workers")
     _add_server_args(p)
-    add_engine_args(p)
+    # Generated from EngineConfig's fields (--model, the budget, parallelism, tracing, ...); a
+    # server runs its workers in their own processes unless told.
+    add_engine_args(p, defaults={"executor": "mp"})
     _add_deployment_args(p)
     p.set_defaults(func=_serve, collector_extensions=())
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    """The API server: its model name, address, processes, key, queue and trace file."""
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    """The API server: its model name, address, processes, key, queue and dashboard."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -53,11 +55,6 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "on a small CPU they do not preempt its forward (e.g. 10; default 0: unchanged)",
     )
     p.add_argument(
-        "--trace-db",
-        default=None,
-        help="DuckDB file for the spans (default: runs/serve-<time>.duckdb)",
-    )
-    p.add_argument(
         "--dashboard-port",
         type=int,
         default=None,
@@ -67,88 +64,6 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "--no-trace",
         action="store_true",
         help="record no spans at all: no collector, no trace file (for benchmarks)",
-    )
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every flag of the engine: parallelism, executor, device, KV cache, scheduling budget,
-    attention, sampling seed and tracing."""
-    p = parser.add_argument_group("engine")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument(
-        "--dp",
-        "--data-parallel-size",
-        dest="dp",
-        type=int,
-        default=1,
-        help="engine cores, each with its own scheduler, KV pool and TP workers",
-    )
-    p.add_argument(
-        "--data-parallel-size-local",
-        type=int,
-        default=None,
-        help="DP ranks whose engine cores run on this machine (default: all of them)",
-    )
-    p.add_argument(
-        "--nnodes",
-        type=int,
-        default=1,
-        help="machines one engine's TP workers are spread over (--tp is the total)",
-    )
-    p.add_argument(
-        "--node-rank",
-        type=int,
-        default=0,
-        help="this machine's index among --nnodes (0: the engine core's; others: --headless)",
-    )
-    p.add_argument(
-        "--master-addr",
-        default="127.0.0.1",
-        help="node 0's address: the workers' sockets and torch.distributed's rendezvous",
-    )
-    p.add_argument(
-        "--master-port",
-        type=int,
-        default=29500,
-        help="torch.distributed's port on node 0 (the workers' sockets take the next two)",
-    )
-    p.add_argument("--executor", choices=["uni", "mp"], default="mp")
-    p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="auto: the checkpoint's dtype where this device runs it natively, else float32",
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument(
-        "--attention-backend",
-        choices=["cpu", "torch", "triton"],
-        default=None,
-        help="default: triton on CUDA; on a CPU, cpu (a C decode kernel) where a C compiler "
-        "builds it, else torch",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="also send every span to this OTLP/HTTP endpoint (Jaeger, Phoenix, ...)",
-    )
-    p.add_argument(
-        "--trace-steps",
-        default="all",
-        help="which steps record spans: all, every:N or off (requests always do)",
-    )
-    p.add_argument(
-        "--trace-content",
-        action="store_true",
-        help="put each request's prompt and generated text on its span (input.value, "
-        "output.value); off by default, as prompts can be private",
     )
 
 

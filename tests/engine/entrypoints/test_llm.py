@@ -206,7 +206,7 @@ def test_bad_sampling_params_fail_at_construction(kwargs: dict, message: str) ->
 )
 def test_bad_engine_config_fails_with_an_actionable_message(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**kwargs)
+        EngineConfig.create(**kwargs)
 
 
 def test_unknown_model_is_refused() -> None:
@@ -215,14 +215,15 @@ def test_unknown_model_is_refused() -> None:
 
 
 def test_cpu_defaults_follow_the_documented_tier() -> None:
-    offline = EngineConfig()
-    server = EngineConfig(offline=False)
-    assert (offline.block_size, offline.enable_prefix_caching) == (16, True)
-    assert (offline.max_num_batched_tokens, offline.max_num_seqs) == (1024, 128)
+    offline = EngineConfig.create()
+    server = EngineConfig.create(offline=False).scheduler_config
+    cache, sched = offline.cache_config, offline.scheduler_config
+    assert (cache.block_size, cache.enable_prefix_caching) == (16, True)
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (1024, 128)
     assert (server.max_num_batched_tokens, server.max_num_seqs) == (512, 64)
     # The worker picks the backend: the C kernels' where a C compiler builds them, else the
     # torch reference.
-    assert offline.attention_backend is None
+    assert offline.model_config.attention_backend is None
     expected = "cpu" if cpu_kernel_available() is None else "torch"
     assert resolve_attention_backend(None, torch.device("cpu")) == expected
 

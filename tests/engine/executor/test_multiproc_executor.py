@@ -45,9 +45,14 @@ def model_dir() -> Path:
     return resolve_model("tiny-llama")
 
 
-def small_config() -> EngineConfig:
-    # A 32-token budget chunks the 37- and 90-token prompts over several steps, mixed with decodes.
-    return EngineConfig(model="tiny-llama", num_kv_blocks=64, max_num_batched_tokens=32)
+def small_config(tp: int | None = None) -> EngineConfig:
+    """The in-process executor's config, or with `tp` the multiprocess executor's at that size.
+    A 32-token budget chunks the 37- and 90-token prompts over several steps, mixed with
+    decodes."""
+    parallel = {} if tp is None else {"executor": "mp", "tensor_parallel_size": tp}
+    return EngineConfig.create(
+        model="tiny-llama", num_kv_blocks=64, max_num_batched_tokens=32, **parallel
+    )
 
 
 def prompts() -> list[list[int]]:
@@ -117,12 +122,12 @@ def uni_tokens(model_dir: Path) -> dict[str, list[int]]:
 def test_greedy_tokens_match_uniproc_executor(
     model_dir: Path, uni_tokens: dict[str, list[int]], tp: int
 ) -> None:
-    executor = MultiprocExecutor(small_config(), model_dir, tensor_parallel_size=tp)
+    executor = MultiprocExecutor(small_config(tp), model_dir)
     try:
         assert [(role, rank) for role, rank, _ in executor.processes()] == [
             ("worker", r) for r in range(tp)
         ]
-        core = EngineCore(small_config(), model_dir, executor=executor)
+        core = EngineCore(small_config(tp), model_dir, executor=executor)
         assert core.num_kv_blocks == 64
         tokens = generate(core)
         assert all(len(t) == MAX_TOKENS for t in uni_tokens.values())
@@ -225,7 +230,7 @@ def test_every_rank_computes_identical_logits(tp: int) -> None:
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_worker_killed_mid_run_raises_within_seconds(model_dir: Path, victim: int) -> None:
-    executor = MultiprocExecutor(small_config(), model_dir, tensor_parallel_size=2)
+    executor = MultiprocExecutor(small_config(2), model_dir)
     pids = [pid for _, _, pid in executor.processes()]
     killed_at: list[float] = []
 
@@ -234,7 +239,7 @@ def test_worker_killed_mid_run_raises_within_seconds(model_dir: Path, victim: in
         os.kill(pids[victim], signal.SIGKILL)
 
     try:
-        core = EngineCore(small_config(), model_dir, executor=executor)
+        core = EngineCore(small_config(2), model_dir, executor=executor)
         add_prompts(core, max_tokens=400)
         core.step()
         # From another thread, so that the signal may land while a step is in flight.
@@ -266,16 +271,17 @@ def test_worker_start_failure_raises_with_worker_error(model_dir: Path, tmp_path
     with pytest.raises(
         RuntimeError, match=r"(?s)worker rank [01] \(pid \d+\) failed to start.*model\.safetensors"
     ):
-        MultiprocExecutor(small_config(), tmp_path, tensor_parallel_size=2)
+        MultiprocExecutor(small_config(2), tmp_path)
     assert live_children() - before == set()
 
 
 def test_kv_pool_sized_as_one_process_on_a_shared_host(model_dir: Path) -> None:
     # Each CPU rank takes 1/tp of the memory budget for blocks holding 1/tp of the KV heads, so
     # the pool has as many blocks as one process would give it (memory may drift in between).
-    config = EngineConfig(model="tiny-llama")
+    config = EngineConfig.create(model="tiny-llama")
     uni_blocks = UniProcExecutor(config, model_dir).determine_num_kv_blocks()
-    executor = MultiprocExecutor(config, model_dir, tensor_parallel_size=2)
+    tp2 = EngineConfig.create(model="tiny-llama", executor="mp", tensor_parallel_size=2)
+    executor = MultiprocExecutor(tp2, model_dir)
     try:
         per_rank = executor.collective_rpc("determine_num_kv_blocks")
         assert executor.determine_num_kv_blocks() == min(per_rank)
@@ -285,13 +291,13 @@ def test_kv_pool_sized_as_one_process_on_a_shared_host(model_dir: Path) -> None:
 
 
 def test_tp_size_must_divide_heads(model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive divisor"):
-        MultiprocExecutor(small_config(), model_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        MultiprocExecutor(small_config(3), model_dir)
 
 
 def test_shutdown_leaves_no_process(model_dir: Path) -> None:
     before = live_children()
-    executor = MultiprocExecutor(small_config(), model_dir, tensor_parallel_size=2)
+    executor = MultiprocExecutor(small_config(2), model_dir)
     pids = [pid for _, _, pid in executor.processes()]
     assert all(alive(p) for p in pids)
     socket_dir = Path(executor._group.tmp_dir)
@@ -313,8 +319,10 @@ PARENT_SCRIPT = textwrap.dedent(
     from stepscope.engine.executor.multiproc_executor import MultiprocExecutor
 
     if __name__ == "__main__":
-        config = EngineConfig(model="tiny-llama", num_kv_blocks=64)
-        executor = MultiprocExecutor(config, resolve_model("tiny-llama"), 2)
+        config = EngineConfig.create(
+            model="tiny-llama", num_kv_blocks=64, executor="mp", tensor_parallel_size=2
+        )
+        executor = MultiprocExecutor(config, resolve_model("tiny-llama"))
         print(executor._group.tmp_dir, flush=True)
         print(" ".join(str(pid) for _, _, pid in executor.processes()), flush=True)
         if sys.argv[1] == "wait":
