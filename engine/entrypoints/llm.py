@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,13 @@ class LLM:
         self._tracing = False
         self.endpoints = Endpoints()
         self._tracing = self._start_tracing(config)
+        # "uni" with one DP rank: the engine core runs right here; otherwise in its own
+        # processes over ZMQ, sending their spans to this run's collector.
         in_process = _in_process(config)
-        self.frontend = Frontend(config, InprocClient if in_process else SyncMPClient)
+        self.frontend = Frontend(
+            config,
+            InprocClient if in_process else partial(SyncMPClient, endpoints=self.endpoints),
+        )
         self.config = self.frontend.config
         logger.info("dtype %s (%s)", self.config.model_config.dtype,
                     self.config.model_config.dtype_reason)  # fmt: skip
