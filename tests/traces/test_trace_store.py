@@ -15,7 +15,8 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp
-from stepscope.traces.backend.store import COLUMNS, DuckDBSpanExporter, TraceStore
+from stepscope.traces.backend.store import DuckDBSpanExporter, TraceStore
+from stepscope.traces.backend.views import COLUMNS
 
 ATTRIBUTES = {
     "a.string": "text",

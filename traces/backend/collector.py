@@ -51,7 +51,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from stepscope.traces import names as n
-from stepscope.traces.backend.store import SpanBatch, TraceStore
+from stepscope.traces.backend.convert import SpanBatch
+from stepscope.traces.backend.store import TraceStore
 from stepscope.traces.process import watch_parent
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ import pandas as pd
 
 from stepscope.traces import names as n
 from stepscope.traces.backend.queries import STEP_JOIN, Source, _records, _request_row, df
-from stepscope.traces.backend.store import _dp_rank
+from stepscope.traces.backend.views import dp_rank_sql
 
 PARTS = ("before_engine_s", "queue_s", "prefill_s", "decode_s", "preempted_s", "after_engine_s")
 ARRIVED_DURING_STEP = "arrived_during_step"
@@ -42,7 +42,7 @@ UNKNOWN = "unknown"
 # with those steps not traced, the request span's event (it carries the last preemption only).
 _PREEMPTIONS = f"""
 SELECT 0 AS source, start_ns AS time_ns FROM spans
-WHERE name = '{n.ENGINE_STEP}' AND {_dp_rank()} = $2
+WHERE name = '{n.ENGINE_STEP}' AND {dp_rank_sql()} = $2
   AND list_contains(CAST(json_extract(attributes, '$."{n.PREEMPTED_IDS}"') AS VARCHAR[]), $1)
 UNION ALL
 SELECT 1 AS source, CAST(json_extract(e, '$.time_ns') AS BIGINT) AS time_ns
