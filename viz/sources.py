@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.client import CollectorClient
 from stepscope.traces.backend.store import TraceStore
 
 

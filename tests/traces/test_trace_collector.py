@@ -16,7 +16,8 @@ from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp
 from stepscope.traces.backend import cli
-from stepscope.traces.backend.collector import Collector, CollectorClient, HttpResponse
+from stepscope.traces.backend.client import CollectorClient
+from stepscope.traces.backend.collector import Collector, HttpResponse
 from stepscope.traces.backend.collector_process import stop_collector_process as stop
 from stepscope.traces.backend.store import TraceStore
 

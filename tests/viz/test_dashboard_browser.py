@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.client import CollectorClient
 from stepscope.traces.backend.collector_process import (
     start_collector_process,
     stop_collector_process,

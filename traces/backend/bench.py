@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from stepscope.traces import names as n
 from stepscope.traces import setup, spans
-from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.client import CollectorClient
 from stepscope.traces.backend.collector_process import (
     start_collector_process,
     stop_collector_process,

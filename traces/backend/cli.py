@@ -16,7 +16,7 @@ import duckdb
 import pandas as pd
 
 from stepscope.traces.backend import explain, export, queries
-from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.client import CollectorClient
 from stepscope.traces.backend.store import TraceStore
 
 

@@ -7,10 +7,11 @@ keep arriving.
 
 Routes: `POST /v1/traces` (OTLP, application/x-protobuf, gzip or deflate allowed), `GET /stats`,
 `POST /query` (one read-only SELECT; JSON `{"sql": ..., "params": [...]}` or the SQL as text;
-`GET /query?sql=...` too), `POST /flush` (wait until every accepted span is in the file),
-`POST /report` (a process's span counts as it stops) and `GET /health`. Other code in this
-process (the Panel dashboard) adds routes with `add_route` or runs beside it through
-`run_collector(extensions=["module:function"])`.
+`GET /query?sql=...` too; JSON rows, or with `"format": "arrow"` an Arrow IPC stream),
+`POST /flush` (wait until every accepted span is in the file), `POST /report` (a process's span
+counts as it stops) and `GET /health`. `client.CollectorClient` calls them from other processes.
+Other code in this process (the Panel dashboard) adds routes with `add_route` or runs beside it
+through `run_collector(extensions=["module:function"])`.
 
 Started by a parent (`start_collector_process`), the collector is the last process of a run to
 stop: it ignores SIGINT, SIGHUP and SIGTERM, which a terminal or a process manager may send to
@@ -33,17 +34,15 @@ import signal
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import duckdb
-import pandas as pd
+import pyarrow as pa
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -68,6 +67,7 @@ COALESCE_ROWS = 4096  # a writer holding fewer spans than this waits INSERT_INTE
 # The collector is bookkeeping: at this niceness it yields the cores to the engine's processes
 # and catches up in their gaps (its queue holds minutes of spans; nothing is dropped meanwhile).
 COLLECTOR_NICE = 10
+ARROW_STREAM = "application/vnd.apache.arrow.stream"  # a `/query` answer with "format": "arrow"
 
 
 @dataclass(slots=True)
@@ -350,33 +350,56 @@ class Collector:
         self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run one read-only SELECT on its own cursor; returns (columns, rows)."""
+        with self._select(sql) as cursor:
+            result = cursor.execute(sql, params)
+            columns = [d[0] for d in result.description or ()]
+            return columns, result.fetchall()
+
+    def query_arrow(
+        self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None
+    ) -> pa.Table:
+        """The same, as an Arrow table: the columns keep their types (`CollectorClient.df`)."""
+        with self._select(sql) as cursor:
+            return cursor.sql(sql, params=params).to_arrow_table()
+
+    @contextlib.contextmanager
+    def _select(self, sql: str) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor of its own for `sql`, which must be one SELECT (PermissionError if not)."""
         cursor = self.store.cursor()
         try:
             statements = cursor.extract_statements(sql)
             if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
                 raise PermissionError("only a single SELECT statement is allowed")
-            result = cursor.execute(sql, params)
-            columns = [d[0] for d in result.description or ()]
-            return columns, result.fetchall()
+            yield cursor
         finally:
             cursor.close()
 
     def _handle_query(self, request: HttpRequest) -> HttpResponse:
-        params = None
+        params, fmt = None, request.query.get("format", ["json"])[0]
         if request.method == "GET":
             sql = request.query.get("sql", [""])[0]
         elif request.headers.get("Content-Type", "").startswith("application/json"):
             payload = json.loads(request.body or b"{}")
             sql, params = payload.get("sql", ""), payload.get("params")
+            fmt = payload.get("format", fmt)
         else:
             sql = request.body.decode()
         try:
+            if fmt == "arrow":
+                return HttpResponse(200, _arrow_stream(self.query_arrow(sql, params)), ARROW_STREAM)
             columns, rows = self.query(sql, params)
         except PermissionError as error:
             return HttpResponse.json({"error": str(error)}, 403)
         except duckdb.Error as error:
             return HttpResponse.json({"error": str(error)}, 400)
         return HttpResponse.json({"columns": columns, "rows": rows})
+
+
+def _arrow_stream(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
 
 
 class _RequestHandler(BaseHTTPRequestHandler):
@@ -471,40 +494,6 @@ def _stop_at_stdin_end(stop: threading.Event) -> None:
         while sys.stdin.buffer.read(4096):
             pass
     stop.set()
-
-
-class CollectorClient:
-    """Talks to a running collector: stats, flush, and queries as rows or DataFrames."""
-
-    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-
-    def _call(self, method: str, path: str, payload: Any = None) -> Any:
-        data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            detail = error.read().decode(errors="replace")
-            raise RuntimeError(f"collector {method} {path}: {error.code} {detail}") from None
-
-    def stats(self) -> dict[str, int]:
-        return self._call("GET", "/stats")
-
-    def flush(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        return self._call("POST", f"/flush?timeout={timeout_s}", {})
-
-    def query(self, sql: str, params: Sequence[Any] | None = None) -> list[dict[str, Any]]:
-        result = self._call("POST", "/query", {"sql": sql, "params": params})
-        return [dict(zip(result["columns"], row, strict=True)) for row in result["rows"]]
-
-    def df(self, sql: str, params: Sequence[Any] | None = None) -> pd.DataFrame:
-        result = self._call("POST", "/query", {"sql": sql, "params": params})
-        return pd.DataFrame(result["rows"], columns=result["columns"])
 
 
 def main(argv: Sequence[str] | None = None) -> None:

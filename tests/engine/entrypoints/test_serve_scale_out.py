@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from stepscope.engine.entrypoints.serve import wait_healthy
-from stepscope.traces.backend.collector import CollectorClient
+from stepscope.traces.backend.client import CollectorClient
 from stepscope.traces.backend.store import TraceStore
 from tests.process_tree import pid_alive, wait_pids_gone
 from tests.server_utils import CLI, Server, free_port
