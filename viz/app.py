@@ -17,10 +17,10 @@ import time
 
 import panel as pn
 
+from stepscope.traces.backend.source import CollectorSource, DuckDBSource, StoreSource, TraceSource
 from stepscope.viz.engine_page import EnginePage
 from stepscope.viz.path_page import RequestPathPage
 from stepscope.viz.simulator_page import SimulatorPage
-from stepscope.viz.sources import CollectorSource, DuckDBSource, StoreSource, TraceSource
 
 __all__ = [
     "CollectorSource",

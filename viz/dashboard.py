@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from stepscope.traces.process import free_port
 
 if TYPE_CHECKING:
-    from stepscope.viz.sources import TraceSource
+    from stepscope.traces.backend.source import TraceSource
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _origins(host: str, port: int) -> list[str]:
 def make_source(db: str | None = None, url: str | None = None) -> TraceSource | None:
     if db and url:
         raise ValueError("give the dashboard a trace file (db) or a collector URL (url), not both")
-    from stepscope.viz.sources import CollectorSource, DuckDBSource
+    from stepscope.traces.backend.source import CollectorSource, DuckDBSource
 
     if db:
         return DuckDBSource(db)
@@ -141,7 +141,7 @@ def mount_on_collector(collector: Any) -> str:
     collector's host. Sets `collector.dashboard_url` and adds `GET /dashboard` (a redirect).
     """
     from stepscope.traces.backend.collector import HttpResponse
-    from stepscope.viz.sources import StoreSource
+    from stepscope.traces.backend.source import StoreSource
 
     host = collector.server.server_address[0]
     port = int(os.environ.get(DASHBOARD_PORT_ENV, DEFAULT_PORT))

@@ -21,7 +21,7 @@ from stepscope.traces import names as n
 from stepscope.viz.frames import float_columns, fmt_ms, int_text
 
 if TYPE_CHECKING:
-    from stepscope.viz.sources import TraceSource
+    from stepscope.traces.backend.source import TraceSource
 
 TIMELINE_STEPS = 40  # steps shown in the process timeline at once
 MAX_STEPS = 5000  # steps read per refresh (the most recent)

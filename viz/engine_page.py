@@ -34,6 +34,7 @@ from bokeh.models import (
 from bokeh.plotting import figure
 
 from stepscope.traces import names as n
+from stepscope.traces.backend.source import TraceSource
 from stepscope.viz.charts import (
     finish_step_chart,
     interval_bars,
@@ -64,7 +65,6 @@ from stepscope.viz.engine_data import (
 )
 from stepscope.viz.frames import fmt_ms, int_text
 from stepscope.viz.rank_panel import RankPanel
-from stepscope.viz.sources import TraceSource
 from stepscope.viz.ui import (
     COLORS,
     CSS,

@@ -16,6 +16,7 @@ import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Span
 
 from stepscope.traces.backend import explain, queries
+from stepscope.traces.backend.source import TraceSource
 from stepscope.traces.names import RequestEvent
 from stepscope.viz.charts import interval_bars
 from stepscope.viz.request_path import (
@@ -24,7 +25,6 @@ from stepscope.viz.request_path import (
     stage_occurrences,
     stage_summary,
 )
-from stepscope.viz.sources import TraceSource
 from stepscope.viz.ui import (
     COLORS,
     CSS,

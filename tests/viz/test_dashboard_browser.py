@@ -15,10 +15,10 @@ from stepscope.traces.backend.collector_process import (
     start_collector_process,
     stop_collector_process,
 )
+from stepscope.traces.backend.source import CollectorSource
 from stepscope.viz.dashboard import DASHBOARD_PORT_ENV, MOUNT_EXTENSION
 from stepscope.viz.request_path import stage_occurrences
 from stepscope.viz.simulator import simulate_step
-from stepscope.viz.sources import CollectorSource
 from tests.viz.conftest import free_port, wait_http
 from tests.viz.trace_factory import record_workload
 

@@ -10,8 +10,8 @@ from contextlib import closing
 import numpy as np
 import pytest
 
+from stepscope.traces.backend.source import DuckDBSource
 from stepscope.viz import engine_data as data
-from stepscope.viz.sources import DuckDBSource
 
 
 @pytest.fixture(scope="module")

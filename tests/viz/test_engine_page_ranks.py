@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 
 from stepscope.traces import names as n
+from stepscope.traces.backend.source import DuckDBSource
 from stepscope.viz.engine_data import load_series, rank_series, rank_table
 from stepscope.viz.engine_page import EnginePage
-from stepscope.viz.sources import DuckDBSource
 from tests.dp_trace import PROMPTS, record_dp2_trace
 
 

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from stepscope.traces import names as n
+from stepscope.traces.backend.source import DuckDBSource
 from stepscope.viz.request_path import STAGES, stage_occurrences, stage_summary
-from stepscope.viz.sources import DuckDBSource
 
 
 @pytest.fixture(scope="module")

@@ -1,42 +1,21 @@
-"""`stepscope trace summary PATH` and `stepscope trace request PATH ID`, as readable tables, and
-`stepscope trace export PATH -o FILE`, a timeline for Perfetto UI or chrome://tracing.
+"""The `stepscope trace ...` commands: `summary PATH` and `request PATH ID` as readable tables,
+`explain PATH [ID]` and `slowest PATH` (why requests were slow), and `export PATH -o FILE`, a
+timeline for Perfetto UI or chrome://tracing.
 
-PATH is a finished trace file (opened read-only) or the URL of a running collector.
+PATH is a finished trace file (opened read-only) or the URL of a running collector, each opened
+by `source.open_trace`.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TextIO
 
-import duckdb
 import pandas as pd
 
 from stepscope.traces.backend import explain, export, queries
-from stepscope.traces.backend.client import CollectorClient
-from stepscope.traces.backend.store import TraceStore
-
-
-@contextmanager
-def open_trace(path: str) -> Iterator[queries.Source]:
-    """A read-only view of a trace: a file, or a collector's URL while it runs. A path that is
-    no trace file raises ValueError (the CLI prints it, with no traceback)."""
-    if path.startswith(("http://", "https://")):
-        yield CollectorClient(path)
-        return
-    if not os.path.isfile(path):
-        raise ValueError(f"no trace file at {path}")
-    try:
-        store = TraceStore(path, read_only=True)
-    except duckdb.Error as error:
-        raise ValueError(f"cannot open {path} as a trace file: {error}") from error
-    try:
-        yield store
-    finally:
-        store.close()
+from stepscope.traces.backend.source import TraceSource, open_trace
 
 
 def _table(frame: pd.DataFrame) -> str:
@@ -218,7 +197,7 @@ def trace_explain(
     return 0
 
 
-def _ask(path: str, question: Callable[[queries.Source], Any]) -> Any:
+def _ask(path: str, question: Callable[[TraceSource], Any]) -> Any:
     """`question` asked of the trace at `path`; None, with the message, when the trace has no
     such request."""
     with open_trace(path) as source:

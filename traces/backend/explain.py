@@ -31,7 +31,8 @@ from typing import Any
 import pandas as pd
 
 from stepscope.traces import names as n
-from stepscope.traces.backend.queries import STEP_JOIN, Source, _records, _request_row, df
+from stepscope.traces.backend.queries import STEP_JOIN, _records, _request_row, df
+from stepscope.traces.backend.source import Queryable
 from stepscope.traces.backend.views import dp_rank_sql
 
 PARTS = ("before_engine_s", "queue_s", "prefill_s", "decode_s", "preempted_s", "after_engine_s")
@@ -68,7 +69,7 @@ ORDER BY s.start_ns
 """
 
 
-def explain(source: Source, request_id: str | None = None) -> dict[str, Any]:
+def explain(source: Queryable, request_id: str | None = None) -> dict[str, Any]:
     """Why request `request_id` (default: the slowest by end-to-end time) took as long as it did.
 
     Returns exactly: request_id, e2e_s, parts, queue_reasons, shared, preemptions,
@@ -121,12 +122,12 @@ def explain(source: Source, request_id: str | None = None) -> dict[str, Any]:
     return result
 
 
-def slowest(source: Source, limit: int = 10) -> list[dict[str, Any]]:
+def slowest(source: Queryable, limit: int = 10) -> list[dict[str, Any]]:
     """The slowest requests by end-to-end time, each explained."""
     return [explain(source, rid) for rid in _slowest_ids(source, limit)]
 
 
-def _slowest_ids(source: Source, limit: int) -> list[str]:
+def _slowest_ids(source: Queryable, limit: int) -> list[str]:
     rows = _records(
         df(
             source,
@@ -166,7 +167,7 @@ def to_json(result: dict[str, Any] | list[dict[str, Any]]) -> str:
     return json.dumps(result, indent=2)
 
 
-def _preemptions(source: Source, request: dict[str, Any]) -> list[int]:
+def _preemptions(source: Queryable, request: dict[str, Any]) -> list[int]:
     found = df(
         source, _PREEMPTIONS, [request["request_id"], request["dp_rank"], request["span_id"]]
     )

@@ -27,6 +27,7 @@ import pandas as pd
 
 from stepscope.traces import names as n
 from stepscope.traces.backend import queries
+from stepscope.traces.backend.source import Queryable, open_trace
 
 # Threads of a process, in the order the timeline shows them: group -> (thread name, may nest).
 # Requests never nest: one request's marker inside another's would read as a parent.
@@ -236,7 +237,7 @@ def _args(attrs: dict[str, Any], trace_id: str, span_id: str) -> dict[str, Any]:
     return args | {"trace_id": trace_id, "span_id": span_id}
 
 
-def _spans(source: queries.Source, t0: int, processes: _Processes) -> dict[str, _Slice]:
+def _spans(source: Queryable, t0: int, processes: _Processes) -> dict[str, _Slice]:
     """Every span but the request spans, by span id, with its thread group and depth."""
     slices: dict[str, _Slice] = {}
     for row in queries.df(source, _SPANS, [t0]).itertuples(index=False):
@@ -262,7 +263,7 @@ def _spans(source: queries.Source, t0: int, processes: _Processes) -> dict[str, 
 
 
 def _requests(
-    source: queries.Source, t0: int, processes: _Processes, slices: dict[str, _Slice]
+    source: Queryable, t0: int, processes: _Processes, slices: dict[str, _Slice]
 ) -> list[_Request]:
     # Where each request left the API process: its api->engine_core send, when recorded.
     sends = {
@@ -416,7 +417,7 @@ def _step_counters(step: _Slice) -> list[dict[str, Any]]:
 
 
 def _step_flows(
-    source: queries.Source,
+    source: Queryable,
     slices: dict[str, _Slice],
     requests: list[_Request],
     flow_ids: Iterator[int],
@@ -450,7 +451,7 @@ def _crossing_flows(slices: dict[str, _Slice], flow_ids: Iterator[int]) -> None:
             _flow(next(flow_ids), CROSSING_FLOW, name, parent, child, args)
 
 
-def _dp_load_counters(source: queries.Source, slices: dict[str, _Slice]) -> list[dict[str, Any]]:
+def _dp_load_counters(source: Queryable, slices: dict[str, _Slice]) -> list[dict[str, Any]]:
     """The load of each DP rank as the coordinator published it (what API servers routed by)."""
     events = []
     loads = queries.df(source, "SELECT * FROM dp_loads ORDER BY time_ns, dp_rank")
@@ -466,7 +467,7 @@ def _dp_load_counters(source: queries.Source, slices: dict[str, _Slice]) -> list
 
 
 # ---- the export ----------------------------------------------------------------------------------
-def export_chrome(source: queries.Source) -> dict[str, Any]:
+def export_chrome(source: Queryable) -> dict[str, Any]:
     """The trace as Chrome trace-event JSON (the JSON Object Format): `traceEvents`, with
     `otherData` saying how many processes, requests and steps it holds."""
     t0 = _int(queries.df(source, "SELECT min(start_ns) AS t0 FROM spans")["t0"].iloc[0])
@@ -507,8 +508,6 @@ def _counts(processes: int, requests: int, steps: int) -> dict[str, Any]:
 
 def write_chrome(path_or_url: str, out_path: str | os.PathLike[str]) -> dict[str, Any]:
     """Export a trace file (or a running collector's URL) to `out_path`; returns the trace."""
-    from stepscope.traces.backend.cli import open_trace  # the CLI imports this module
-
     with open_trace(path_or_url) as source:
         trace = export_chrome(source)
     trace["otherData"]["trace"] = path_or_url

@@ -1,35 +1,24 @@
 """Questions asked of a trace, for the CLI, the dashboard and the tutorials.
 
-Each function takes a `TraceStore`, a `CollectorClient` (a running collector) or a DuckDB
-connection, and reads only the views (`requests`, `steps`, `crossings`, `step_requests`,
-`worker_steps`), so it works the same on a live run and on a finished file.
+Each function takes a `Queryable` (source.py: a trace file or a running collector opened as a
+source, or a `TraceStore`) and reads only the views (`requests`, `steps`, `crossings`,
+`step_requests`, `worker_steps`), so it works the same on a live run and on a finished file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import duckdb
 import pandas as pd
 
 from stepscope.traces import names as n
+from stepscope.traces.backend.source import Queryable
 
 
-class _Queryable(Protocol):
-    def df(
-        self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None
-    ) -> pd.DataFrame: ...
-
-
-Source = _Queryable | duckdb.DuckDBPyConnection
-
-
-def df(source: Source, sql: str, params: Sequence[Any] | None = None) -> pd.DataFrame:
+def df(source: Queryable, sql: str, params: Sequence[Any] | None = None) -> pd.DataFrame:
     """Run `sql` on any trace source and return a DataFrame."""
-    if isinstance(source, duckdb.DuckDBPyConnection):
-        return source.execute(sql, params).df()
     return source.df(sql, params)
 
 
@@ -97,14 +86,14 @@ ORDER BY c.start_ns, c.side DESC
 """
 
 
-def _request_row(source: Source, request_id: str) -> dict[str, Any]:
+def _request_row(source: Queryable, request_id: str) -> dict[str, Any]:
     rows = _records(df(source, "SELECT * FROM requests WHERE request_id = $1", [request_id]))
     if not rows:
         raise KeyError(f"no request {request_id!r} in this trace")
     return rows[0]
 
 
-def request_path(source: Source, request_id: str) -> RequestPath:
+def request_path(source: Queryable, request_id: str) -> RequestPath:
     """The request's span, its crossings over the four boundaries and the steps that served it."""
     return RequestPath(
         request=_request_row(source, request_id),
@@ -113,7 +102,7 @@ def request_path(source: Source, request_id: str) -> RequestPath:
     )
 
 
-def request_timings(source: Source, request_id: str) -> dict[str, Any]:
+def request_timings(source: Queryable, request_id: str) -> dict[str, Any]:
     """Queue time, TTFT, end-to-end time and the steps that served one request.
 
     A step that scheduled more than one token for the request counts as a prefill step (a chunk,
@@ -236,12 +225,12 @@ SELECT dp_rank FROM steps UNION SELECT dp_rank FROM requests ORDER BY dp_rank
 """
 
 
-def dp_ranks(source: Source) -> list[int]:
+def dp_ranks(source: Queryable) -> list[int]:
     """The data-parallel ranks that ran steps or were sent requests ([0] for one rank)."""
     return [int(r) for r in df(source, _DP_RANKS)["dp_rank"].dropna()]
 
 
-def summary(source: Source) -> dict[str, pd.DataFrame]:
+def summary(source: Queryable) -> dict[str, pd.DataFrame]:
     """Counts per span name, per boundary and side, step statistics, latency percentiles, and
     the work of each data-parallel rank ("ranks": one row per `dp_rank`, with the DP
     coordinator's published load: mean waiting and running, and whether the rank was lost)."""
@@ -254,7 +243,7 @@ def summary(source: Source) -> dict[str, pd.DataFrame]:
     }
 
 
-def list_requests(source: Source, limit: int = 20) -> pd.DataFrame:
+def list_requests(source: Queryable, limit: int = 20) -> pd.DataFrame:
     """The most recent requests with their timings."""
     return df(
         source,
