@@ -6,20 +6,27 @@ them, and vLLM's device-tier defaults.
 everything once and returns a frozen struct that is sent whole to every process (msgspec). What
 is found at run time (the collector's address) travels beside it in `Endpoints`, never inside.
 The CLI's engine flags and `LLM`'s keywords are generated from the fields below
-(engine/engine_args.py): a field's `Meta(description=...)` is its flag's help.
+(engine/engine_args.py): a field's docstring is its flag's help, a `Literal` its choices.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
+import inspect
+import itertools
 import json
 import os
+import textwrap
+import types
+import typing
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any, ClassVar, Literal, get_args
 
 import msgspec
 import torch
-from msgspec import Meta, field
+from msgspec import field
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The CPU flags that make bfloat16 matmul native rather than emulated.
@@ -90,42 +97,35 @@ def device_tier_defaults(device: str, offline: bool) -> tuple[int, int]:
     return (1024, 128) if offline else (512, 64)
 
 
-def _flag(help: str, **extra: Any) -> Meta:
-    """A field a user sets: by keyword (`LLM(name=...)`) and as `--name` on the command line.
-    `extra` says how the flag looks: choices, aliases."""
-    return Meta(description=help, extra=extra)
-
-
-# A field without `_flag` metadata is set by the engine itself, never by a user (internal).
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _Part(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One part of `EngineConfig`. A field with a docstring (the string under it, as in vLLM's
+    config classes) is an option a user sets, by keyword and as `--flag`; a field with only a
+    comment is set by the engine itself. `aliases` gives an option's short flags."""
+
+    aliases: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+
+class ModelConfig(_Part):
     """What runs: the checkpoint, the device and the numbers it computes in."""
 
-    model: Annotated[str, _flag("a built-in model name or an HF checkpoint folder")] = DEFAULT_MODEL
-    device: Annotated[str, _flag("cpu, or cuda[:N]")] = "cpu"
-    dtype: Annotated[
-        str,
-        _flag(
-            "auto: the checkpoint's dtype where this device runs it natively, else float32",
-            choices=("auto", "float32", "bfloat16", "float16"),
-        ),
-    ] = "auto"
+    model: str = DEFAULT_MODEL
+    """A built-in model name or an HF checkpoint folder."""
+    device: str = "cpu"
+    """cpu, or cuda[:N]."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: the checkpoint's dtype where this device runs it natively, else float32."""
     # Why `dtype` is what it is, once "auto" is resolved against the checkpoint (resolve_dtype).
     dtype_reason: str = ""
-    max_model_len: Annotated[
-        int | None, _flag("longest prompt + output, tokens (default: the model's limit)")
-    ] = None
-    seed: Annotated[int, _flag("seed of the sampler's generator (seeded requests use theirs)")] = 0
-    attention_backend: Annotated[
-        str | None,
-        _flag(
-            "default: triton on CUDA; on a CPU, cpu (a C decode kernel) where a C compiler builds "
-            "it, else torch",
-            choices=("cpu", "torch", "triton"),
-        ),
-    ] = None
+    max_model_len: int | None = None
+    """Longest prompt + output, tokens (default: the model's limit)."""
+    seed: int = 0
+    """Seed of the sampler's generator (seeded requests use their own)."""
+    attention_backend: Literal["cpu", "torch", "triton"] | None = None
+    """Default: triton on CUDA; on a CPU, cpu (a C decode kernel) where a C compiler builds it,
+    else torch."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -136,79 +136,58 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return DTYPES[self.dtype]
 
 
-class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class CacheConfig(_Part):
     """The paged KV cache: block size, pool size, prefix caching."""
 
-    block_size: Annotated[int, _flag("tokens per KV block (a multiple of 16)")] = 16
-    num_kv_blocks: Annotated[
-        int | None, _flag("KV blocks in the pool (default: from the memory fraction)")
-    ] = None
-    kv_cache_memory_fraction: Annotated[
-        float | None, _flag("share of free memory the KV pool takes, in (0, 1)")
-    ] = None
-    enable_prefix_caching: Annotated[
-        bool, _flag("reuse the KV blocks of a prompt prefix already computed")
-    ] = True
+    block_size: int = 16
+    """Tokens per KV block (a multiple of 16)."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool (default: from the memory fraction)."""
+    kv_cache_memory_fraction: float | None = None
+    """Share of free memory the KV pool takes, in (0, 1)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of a prompt prefix already computed."""
 
 
-class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class SchedulerConfig(_Part):
     """The token budget of a step and how a prompt may be split across steps."""
 
-    max_num_batched_tokens: Annotated[
-        int | None, _flag("tokens per step (default: the device tier's)")
-    ] = None
-    max_num_seqs: Annotated[
-        int | None, _flag("sequences per step (default: the device tier's)")
-    ] = None
-    enable_chunked_prefill: Annotated[
-        bool, _flag("split a long prompt across steps, beside running decodes")
-    ] = True
+    max_num_batched_tokens: int | None = None
+    """Tokens per step (default: the device tier's)."""
+    max_num_seqs: int | None = None
+    """Sequences per step (default: the device tier's)."""
+    enable_chunked_prefill: bool = True
+    """Split a long prompt across steps, beside running decodes."""
 
 
-class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ParallelConfig(_Part):
     """Which processes run the engine: executor, tensor and data parallelism, machines."""
 
-    executor: Annotated[
-        str,
-        _flag(
-            "uni: the worker runs inside the engine core's process; mp: one process per TP rank",
-            choices=("uni", "mp"),
-        ),
-    ] = "uni"
-    tensor_parallel_size: Annotated[
-        int, _flag("workers one engine's model is split over", aliases=("--tp",))
-    ] = 1
-    data_parallel_size: Annotated[
-        int,
-        _flag(
-            "engine cores, each with its own scheduler, KV pool and TP workers",
-            aliases=("--dp",),
-        ),
-    ] = 1
-    # Its index among the ranks on its own machine (which GPUs it takes), and how many ranks
-    # that machine runs (they share its cores and memory; None: every rank).
-    data_parallel_size_local: Annotated[
-        int | None,
-        _flag("DP ranks whose engine cores run on this machine (default: all of them)"),
-    ] = None
+    aliases: ClassVar[dict[str, tuple[str, ...]]] = {
+        "tensor_parallel_size": ("--tp",),
+        "data_parallel_size": ("--dp",),
+    }
+
+    executor: Literal["uni", "mp"] = "uni"
+    """uni: the worker runs inside the engine core's process; mp: one process per TP rank."""
+    tensor_parallel_size: int = 1
+    """Workers one engine's model is split over."""
+    data_parallel_size: int = 1
+    """Engine cores, each with its own scheduler, KV pool and TP workers."""
+    data_parallel_size_local: int | None = None
+    """DP ranks whose engine cores run on this machine (default: all of them)."""
     # Set per engine-core process when it starts (as vLLM's DP engine cores set theirs): the DP
-    # rank it serves, and its index among the ranks of its machine.
+    # rank it serves, and its index among the ranks of its machine (which GPUs it takes).
     data_parallel_rank: int = 0
     data_parallel_rank_local: int = 0
-    # Tensor parallelism across machines: `nnodes` machines hold `tensor_parallel_size / nnodes`
-    # workers each; node 0 runs the engine core, the others only workers (`serve --headless`).
-    nnodes: Annotated[
-        int, _flag("machines one engine's TP workers are spread over (--tp is the total)")
-    ] = 1
-    node_rank: Annotated[
-        int, _flag("this machine's index among --nnodes (0: the engine core's; others: --headless)")
-    ] = 0
-    master_addr: Annotated[
-        str, _flag("node 0's address: the workers' sockets and torch.distributed's rendezvous")
-    ] = "127.0.0.1"
-    master_port: Annotated[
-        int, _flag("torch.distributed's port on node 0 (the workers' sockets take the next two)")
-    ] = 29500
+    nnodes: int = 1
+    """Machines one engine's TP workers are spread over (--tp is the total)."""
+    node_rank: int = 0
+    """This machine's index among --nnodes (0: the engine core's; others: --headless)."""
+    master_addr: str = "127.0.0.1"
+    """Node 0's address: the workers' sockets and torch.distributed's rendezvous."""
+    master_port: int = 29500
+    """torch.distributed's port on node 0 (the workers' sockets take the next two)."""
 
     @property
     def tensor_parallel_size_local(self) -> int:
@@ -228,31 +207,20 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return max(1, len(os.sched_getaffinity(0)) // processes)
 
 
-class ObservabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ObservabilityConfig(_Part):
     """What is traced and where spans go (besides the collector, whose address is found at run
     time: `Endpoints`)."""
 
-    trace_db: Annotated[
-        str | None,
-        _flag(
-            "DuckDB file for the spans (LLM: none, nothing recorded; serve: "
-            "runs/serve-<time>.duckdb unless --no-trace)"
-        ),
-    ] = None
-    otlp_endpoint: Annotated[
-        str | None,
-        _flag("also send every span to this OTLP/HTTP endpoint (Jaeger, Phoenix, ...)"),
-    ] = None
-    trace_steps: Annotated[
-        str, _flag("which steps record spans: all, every:N or off (requests always do)")
-    ] = "all"
-    trace_content: Annotated[
-        bool,
-        _flag(
-            "put each request's prompt and generated text on its span (input.value, "
-            "output.value); off by default, as prompts can be private"
-        ),
-    ] = False
+    trace_db: str | None = None
+    """DuckDB file for the spans (LLM: none, nothing recorded; serve: runs/serve-<time>.duckdb
+    unless --no-trace)."""
+    otlp_endpoint: str | None = None
+    """Also send every span to this OTLP/HTTP endpoint (Jaeger, Phoenix, ...)."""
+    trace_steps: str = "all"
+    """Which steps record spans: all, every:N or off (requests always do)."""
+    trace_content: bool = False
+    """Put each request's prompt and generated text on its span (input.value, output.value);
+    off by default, as prompts can be private."""
 
 
 PARTS: dict[str, type[msgspec.Struct]] = {
@@ -295,9 +263,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             try:
                 parts[part] = msgspec.convert(values[part], part_cls, strict=False)
             except msgspec.ValidationError as e:
-                # "Expected `int`, got `str` - at `$.max_num_seqs`" -> "max_num_seqs: ..."
-                problem, _, where = str(e).partition(" - at `$.")
-                raise ValueError(f"{where.rstrip('`') or part}: {problem}") from e
+                raise ValueError(_field_error(part_cls, values[part], e)) from e
         return _validated(cls(**parts, offline=offline))
 
     def resolve_dtype(self, model_dir: str | Path) -> EngineConfig:
@@ -339,23 +305,57 @@ class Endpoints(msgspec.Struct, frozen=True):
     collector: str | None = None
 
 
+def _field_error(part: type, values: dict[str, Any], error: msgspec.ValidationError) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.max_num_seqs`" as "max_num_seqs: ...",
+    and a value outside a `Literal` as the values it may take."""
+    problem, _, where = str(error).partition(" - at `$.")
+    name = where.rstrip("`")
+    _, choices = option_type(typing.get_type_hints(part).get(name))
+    if choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        return f"{name} must be one of {allowed}, got {values.get(name)!r}"
+    return f"{name or part.__name__}: {problem}"
+
+
+def option_type(annotation: Any) -> tuple[Any, tuple | None]:
+    """(int, None) for `int | None`; (str, its values) for a `Literal` of strings."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(t for t in get_args(annotation) if t is not type(None))
+    if typing.get_origin(annotation) is Literal:
+        return str, get_args(annotation)
+    return annotation, None
+
+
 def field_parts(internal: bool = False) -> dict[str, str]:
-    """Each field's flat name -> the part that holds it; without `internal`, only the fields a
-    user sets (those with a description)."""
+    """Each field's flat name -> the part that holds it; without `internal`, only the options a
+    user sets (the fields with a docstring)."""
     out = {}
     for part, part_cls in PARTS.items():
-        for f in msgspec.structs.fields(part_cls):
-            if internal or field_meta(f.type) is not None:
-                out[f.name] = part
+        docs = option_docs(part_cls)
+        for name in part_cls.__struct_fields__:
+            if internal or name in docs:
+                out[name] = part
     return out
 
 
-def field_meta(annotation: Any) -> Meta | None:
-    """A field's `_flag` metadata; None for a field the engine sets itself."""
-    for meta in getattr(annotation, "__metadata__", ()):
-        if isinstance(meta, Meta) and meta.description:
-            return meta
-    return None
+@functools.cache
+def option_docs(part: type) -> dict[str, str]:
+    """A part's options: each field that has a docstring, and that docstring on one line."""
+    docs: dict[str, str] = {}
+    for cls in reversed(part.__mro__):
+        if not (isinstance(cls, type) and issubclass(cls, _Part)):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        for field_node, doc in itertools.pairwise(body):
+            if (
+                isinstance(field_node, ast.AnnAssign)
+                and isinstance(field_node.target, ast.Name)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)
+            ):
+                docs[field_node.target.id] = " ".join(doc.value.value.split())
+    return docs
 
 
 def unknown_name_message(name: str, known: dict[str, str] | list[str]) -> str:
@@ -369,16 +369,10 @@ def _validated(c: EngineConfig) -> EngineConfig:
     message a user can act on. Runs once, in `create`."""
     m, cache, s, p, o = (c.model_config, c.cache_config, c.scheduler_config, c.parallel_config,
                          c.observability_config)  # fmt: skip
-    if m.dtype != "auto" and m.dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {m.dtype!r}")
     if not (m.device == "cpu" or m.device.startswith("cuda")):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {m.device!r}")
     if m.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {m.device!r} asked for, but CUDA is not available")
-    if m.attention_backend not in (None, "cpu", "torch", "triton"):
-        raise ValueError(
-            f"attention_backend must be 'cpu', 'torch' or 'triton', got {m.attention_backend!r}"
-        )
     if m.attention_backend == "cpu" and m.device.startswith("cuda"):
         raise ValueError("attention_backend 'cpu' runs on the CPU only: use 'triton'")
     # None stays None: the worker picks the device's default (engine/layers/attention.py), so
@@ -432,8 +426,6 @@ def check_no_chunk_budget(s: SchedulerConfig, max_model_len: int | None) -> None
 
 
 def _checked_parallel(p: ParallelConfig) -> ParallelConfig:
-    if p.executor not in ("uni", "mp"):
-        raise ValueError(f"executor must be 'uni' or 'mp', got {p.executor!r}")
     if p.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {p.tensor_parallel_size}")
     if p.tensor_parallel_size > 1 and p.executor != "mp":

@@ -1,21 +1,26 @@
 """The engine's options as a user writes them: `LLM(max_num_seqs=8)` and `--max-num-seqs 8`.
 
 Both are generated from the fields of `EngineConfig`'s parts (engine/config.py), as vLLM's
-`EngineArgs.add_cli_args` generates its flags: a field with a description is an option, its
-description the flag's help, its type the flag's type. A new engine option is a new field there
-and the code that uses it; the flag, the keyword and the validation follow.
+`EngineArgs.add_cli_args` generates its flags: a field with a docstring is an option, its
+docstring the flag's help, its type the flag's type (a `Literal`'s values its choices). A new
+engine option is a new field there and the code that uses it; the flag, the keyword and the
+validation follow.
 """
 
 from __future__ import annotations
 
 import argparse
-import types
-import typing
 from typing import Any
 
 import msgspec
 
-from stepscope.engine.config import PARTS, EngineConfig, field_meta, unknown_name_message
+from stepscope.engine.config import (
+    PARTS,
+    EngineConfig,
+    option_docs,
+    option_type,
+    unknown_name_message,
+)
 
 
 def engine_option_names() -> list[str]:
@@ -44,7 +49,7 @@ def add_engine_args(
     for part in PARTS.values():
         for f in _user_fields(part):
             if only is None or f.name in only:
-                _add_flag(group, f, defaults.get(f.name, f.default))
+                _add_flag(group, part, f, defaults.get(f.name, f.default))
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -54,15 +59,14 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
 
 
 def _user_fields(part: type[msgspec.Struct]) -> list[msgspec.structs.FieldInfo]:
-    return [f for f in msgspec.structs.fields(part) if field_meta(f.type) is not None]
+    docs = option_docs(part)
+    return [f for f in msgspec.structs.fields(part) if f.name in docs]
 
 
-def _add_flag(group: Any, f: msgspec.structs.FieldInfo, default: Any) -> None:
-    meta = field_meta(f.type)
-    assert meta is not None
-    extra = meta.extra or {}
+def _add_flag(group: Any, part: type, f: msgspec.structs.FieldInfo, default: Any) -> None:
+    help = option_docs(part)[f.name]
     flag = "--" + f.name.replace("_", "-")
-    base = _base_type(f.type)
+    base, choices = option_type(f.type)
     if base is bool:
         # On by default: `--no-NAME` turns it off (vLLM's `--no-enable-prefix-caching`).
         if default:
@@ -70,26 +74,18 @@ def _add_flag(group: Any, f: msgspec.structs.FieldInfo, default: Any) -> None:
                 "--no-" + flag[2:],
                 dest=f.name,
                 action="store_false",
-                help=f"do not {meta.description}",
+                help=f"{help} On by default: this turns it off.",
             )
         else:
-            group.add_argument(flag, dest=f.name, action="store_true", help=meta.description)
+            group.add_argument(flag, dest=f.name, action="store_true", help=help)
         group.set_defaults(**{f.name: default})
         return
     group.add_argument(
         flag,
-        *extra.get("aliases", ()),
+        *part.aliases.get(f.name, ()),
         dest=f.name,
         type=base,
         default=default,
-        choices=extra.get("choices"),
-        help=meta.description,
+        choices=choices,
+        help=help,
     )
-
-
-def _base_type(annotation: Any) -> type:
-    """int for `Annotated[int | None, ...]`."""
-    inner = typing.get_args(annotation)[0]
-    if isinstance(inner, types.UnionType):
-        inner = next(t for t in typing.get_args(inner) if t is not type(None))
-    return inner

@@ -56,7 +56,7 @@ def test_the_default_is_auto_and_is_resolved_before_use() -> None:
     assert (m.dtype, m.dtype_reason) == ("float32", "auto: the checkpoint is float32")
     asked = EngineConfig.create(model="tiny-llama", dtype="float32")
     assert asked.resolve_dtype(resolve_model("tiny-llama")).model_config.dtype_reason == "asked for"
-    with pytest.raises(ValueError, match="'auto' or one of"):
+    with pytest.raises(ValueError, match="dtype must be one of 'auto', 'float32'"):
         EngineConfig.create(dtype="fp32")
 
 

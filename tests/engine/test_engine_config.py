@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Annotated
 
 import msgspec
 import pytest
 
 from stepscope.engine import LLM
 from stepscope.engine import config as config_module
-from stepscope.engine.config import PARTS, Endpoints, EngineConfig, SchedulerConfig, _flag
+from stepscope.engine.config import PARTS, Endpoints, EngineConfig, SchedulerConfig
 from stepscope.engine.engine_args import (
     add_engine_args,
     check_engine_kwargs,
@@ -62,17 +61,19 @@ def test_serve_flags_keep_their_flat_names() -> None:
 
 
 def test_adding_a_field_to_the_config_adds_the_flag_and_the_keyword(monkeypatch) -> None:
-    class Scheduler(SchedulerConfig, frozen=True, kw_only=True):
-        max_waiting_seconds: Annotated[float | None, _flag("give up on a request after this")] = (
-            None
-        )
+    class Scheduler(SchedulerConfig):
+        max_waiting_seconds: float | None = None
+        """Give up on a request after this."""
+        # Set by the engine: neither a flag nor a keyword.
+        started_at: float = 0.0
 
     monkeypatch.setitem(PARTS, "scheduler_config", Scheduler)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--max-waiting-seconds", "2.5"])
     assert args.max_waiting_seconds == 2.5
-    assert "give up on a request" in parser.format_help()
+    assert "Give up on a request" in parser.format_help()
+    assert "--started-at" not in parser.format_help()
     check_engine_kwargs({"max_waiting_seconds": 1.0})
     assert config_module.field_parts()["max_waiting_seconds"] == "scheduler_config"
     built = EngineConfig.create(max_waiting_seconds=1.0)

@@ -196,7 +196,7 @@ def test_bad_sampling_params_fail_at_construction(kwargs: dict, message: str) ->
     ("kwargs", "message"),
     [
         ({"block_size": 10}, "block_size must be a multiple of 16, got 10"),
-        ({"dtype": "float64"}, "dtype must be 'auto' or one of"),
+        ({"dtype": "float64"}, "dtype must be one of 'auto'"),
         ({"device": "tpu"}, "device must be"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be positive"),
         ({"num_kv_blocks": 0}, "num_kv_blocks must be at least 1"),
