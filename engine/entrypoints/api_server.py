@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP server's routes (stages 1 and 10 of the request path).
 
-FastAPI in the API process: the app, its routes and its errors, and `main`, one API-server
-process of several. A completion or chat route turns the body into prompts and `SamplingParams`
-and hands them to serving.py, which runs them through `AsyncLLM` (into the engine-core process
-and back) and answers with openai_responses.py's bodies, whole or streamed as SSE. Errors keep
-OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the status codes the
-official client maps to its exceptions; bad input is a `FieldError`, a 400 naming its field.
+FastAPI in the API process: the routes (one `APIRouter`), their errors, the app that holds them
+(`build_app`), and `main`, one API-server process of several. A completion or chat route turns
+the body into prompts and `SamplingParams` and hands them to serving.py, which runs them through
+`AsyncLLM` (into the engine-core process and back) and answers with openai_responses.py's bodies,
+whole or streamed as SSE. Routes reach the engine through `AsyncLLM`'s methods only, so a route
+can be tested with a stand-in engine on `app.state.s`. Errors keep OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, with the status codes the official client
+maps to its exceptions; bad input is a `FieldError`, a 400 naming its field.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import asyncio
 import os
 import secrets
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -83,184 +86,71 @@ def build_app(
 
     app = FastAPI(title="stepscope", version=VERSION, lifespan=lifespan)
     app.openapi = lambda: _openapi(app, model_name)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.message, exc.type, exc.param, exc.code),
-            status_code=exc.status,
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(FieldError)
-    async def _field_error(request: Request, exc: FieldError) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(exc), "invalid_request_error", exc.param, 400), status_code=400
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = first.get("msg", "invalid request")
-        cause = first.get("ctx", {}).get("error")
-        if first.get("type") == "json_invalid":
-            message = f"malformed JSON body: {first.get('ctx', {}).get('error', message)}"
-            loc = []
-        elif isinstance(cause, FieldError):
-            message, loc = str(cause), [cause.param]
-        elif loc:
-            message = f"{'.'.join(loc)}: {message}"
-        return JSONResponse(
-            error_body(message, "invalid_request_error", ".".join(loc) or None, 400),
-            status_code=400,
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            error_body(str(exc.detail), kind, None, exc.status_code),
-            status_code=exc.status_code,
-            headers=exc.headers,  # e.g. `Allow` on a 405
-        )
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        # A bug, not bad input: still OpenAI's shape, never a plain-text page.
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, 500),
-            status_code=500,
-        )
-
+    for exc_class, handler in EXCEPTION_HANDLERS.items():
+        app.add_exception_handler(exc_class, handler)
     app.add_middleware(_APIKeyCheck)
-
-    @app.get("/health", response_class=PlainTextResponse, responses=_ERRORS_503)
-    async def health(request: Request) -> Any:
-        engine = request.app.state.s.engine
-        if engine.is_dead:
-            return JSONResponse(error_body(engine.dead_reason, "engine_dead", None, 503), 503)
-        return PlainTextResponse("")
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": VERSION}
-
-    @app.get("/processes")
-    async def processes(request: Request) -> dict:
-        """Every process serving this server: role, rank, pid and DP rank (stepscope's own)."""
-        return {
-            "object": "list",
-            "data": [
-                {"role": p.role, "rank": p.rank, "pid": p.pid, "dp_rank": p.dp_rank}
-                for p in request.app.state.process_list()
-            ],
-        }
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        s: ServerState = request.app.state.s
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": s.model_name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "stepscope",
-                    "max_model_len": s.engine.max_model_len,
-                    "dtype": s.engine.config.dtype,
-                    "dtype_reason": s.engine.config.dtype_reason,
-                    "max_num_batched_tokens": s.engine.config.max_num_batched_tokens,
-                    "max_num_seqs": s.engine.config.max_num_seqs,
-                }
-            ],
-        }
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS_503)
-    async def metrics(request: Request) -> PlainTextResponse:
-        s: ServerState = request.app.state.s
-        try:
-            stats = await asyncio.wait_for(s.engine.get_stats(), timeout=5)
-        except (EngineDeadError, TimeoutError) as e:
-            raise APIError(503, f"engine unavailable: {e}", "engine_dead") from e
-        dropped = dropped_spans() + int(stats.get("trace_spans_dropped", 0))
-        return PlainTextResponse(
-            s.metrics.render(stats, s.in_flight, dropped), media_type="text/plain; version=0.0.4"
-        )
-
-    # vLLM's endpoint of the same name: a benchmark that replays a workload starts from an
-    # empty prefix cache. False while requests run (their blocks cannot be dropped).
-    @app.post("/reset_prefix_cache", responses=_ERRORS_503)
-    async def reset_prefix_cache(request: Request) -> dict:
-        s: ServerState = request.app.state.s
-        return {"reset": bool(await s.engine.reset_prefix_cache())}
-
-    # The tokenizer endpoints vLLM offers, which clients such as lm-evaluation-harness use to
-    # tokenize exactly as the server does (its `tokenizer_backend=remote`).
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest, request: Request) -> dict:
-        s: ServerState = request.app.state.s
-        if body.model is not None:
-            _check_model(s, body.model)
-        if isinstance(body, TokenizeChatRequest):
-            ids = s.engine.processor.apply_chat_template(chat_messages(body.messages))
-        else:
-            ids = s.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": s.engine.max_model_len, "tokens": ids}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-        s: ServerState = request.app.state.s
-        if body.model is not None:
-            _check_model(s, body.model)
-        vocab = s.engine.processor.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise FieldError("tokens", f"tokens must be token ids in [0, {vocab})")
-        return {"prompt": s.engine.tokenizer.decode(body.tokens)}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info(request: Request) -> dict:
-        s: ServerState = request.app.state.s
-        tok = s.engine.tokenizer
-        return {
-            "tokenizer_class": type(tok).__name__,
-            "eos_token": tok.eos_token,
-            "bos_token": tok.bos_token,
-            "pad_token": tok.pad_token,
-            "unk_token": tok.unk_token,
-            "chat_template": tok.chat_template,
-            "model_max_length": s.engine.max_model_len,
-            "vocab_size": s.engine.processor.vocab_size,
-        }
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        received = time.time()  # stage 1 starts here: tokenizing is part of it
-        s: ServerState = request.app.state.s
-        _check_model(s, body.model)
-        prompts = body.prompts()
-        params = body.to_sampling_params(s.engine.processor.default_sampling)
-        echo = Echo(prompts, score_only=body.score_only) if body.echo else None
-        responses = CompletionResponses(s.engine.tokenizer, s.model_name, params, echo)
-        return await serve(
-            s, request, responses, prompts, params, received, body.stream, _include_usage(body)
-        )
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        received = time.time()
-        s: ServerState = request.app.state.s
-        _check_model(s, body.model)
-        params = body.to_sampling_params(s.engine.processor.default_sampling)
-        ids = s.engine.processor.apply_chat_template(chat_messages(body.messages))
-        responses = ChatResponses(s.engine.tokenizer, s.model_name, params)
-        return await serve(
-            s, request, responses, [ids], params, received, body.stream, _include_usage(body)
-        )
-
+    app.include_router(router)
     return app
+
+
+# ---- errors, in OpenAI's shape ------------------------------------------------------------------
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(exc.message, exc.type, exc.param, exc.code),
+        status_code=exc.status,
+        headers=exc.headers,
+    )
+
+
+async def _field_error(request: Request, exc: FieldError) -> JSONResponse:
+    return JSONResponse(
+        error_body(str(exc), "invalid_request_error", exc.param, 400), status_code=400
+    )
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = first.get("msg", "invalid request")
+    cause = first.get("ctx", {}).get("error")
+    if first.get("type") == "json_invalid":
+        message = f"malformed JSON body: {first.get('ctx', {}).get('error', message)}"
+        loc = []
+    elif isinstance(cause, FieldError):
+        message, loc = str(cause), [cause.param]
+    elif loc:
+        message = f"{'.'.join(loc)}: {message}"
+    return JSONResponse(
+        error_body(message, "invalid_request_error", ".".join(loc) or None, 400),
+        status_code=400,
+    )
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(
+        error_body(str(exc.detail), kind, None, exc.status_code),
+        status_code=exc.status_code,
+        headers=exc.headers,  # e.g. `Allow` on a 405
+    )
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    # A bug, not bad input: still OpenAI's shape, never a plain-text page.
+    return JSONResponse(
+        error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, 500),
+        status_code=500,
+    )
+
+
+EXCEPTION_HANDLERS: dict[type[Exception], Callable[..., Any]] = {
+    APIError: _api_error,
+    FieldError: _field_error,
+    RequestValidationError: _validation_error,
+    StarletteHTTPException: _http_error,
+    Exception: _internal_error,
+}
 
 
 class _APIKeyCheck:
@@ -344,7 +234,137 @@ def _openapi(app: FastAPI, model_name: str) -> dict:
     return app.openapi_schema
 
 
-# ---- request handling ---------------------------------------------------------------------------
+# ---- the routes ---------------------------------------------------------------------------------
+# Each reads the server's state from `request.app.state.s` (set when the app starts). A route's
+# name, docstring and order are its OpenAPI operation id, description and place: keep them.
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.s
+
+
+@router.get("/health", response_class=PlainTextResponse, responses=_ERRORS_503)
+async def health(request: Request) -> Any:
+    engine = _state(request).engine
+    if engine.is_dead:
+        return JSONResponse(error_body(engine.dead_reason, "engine_dead", None, 503), 503)
+    return PlainTextResponse("")
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": VERSION}
+
+
+@router.get("/processes")
+async def processes(request: Request) -> dict:
+    """Every process serving this server: role, rank, pid and DP rank (stepscope's own)."""
+    return {
+        "object": "list",
+        "data": [
+            {"role": p.role, "rank": p.rank, "pid": p.pid, "dp_rank": p.dp_rank}
+            for p in request.app.state.process_list()
+        ],
+    }
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    s = _state(request)
+    config = s.engine.config
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": s.model_name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "stepscope",
+                "max_model_len": s.engine.max_model_len,
+                "dtype": config.model_config.dtype,
+                "dtype_reason": config.model_config.dtype_reason,
+                "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+                "max_num_seqs": config.scheduler_config.max_num_seqs,
+            }
+        ],
+    }
+
+
+@router.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS_503)
+async def metrics(request: Request) -> PlainTextResponse:
+    s = _state(request)
+    try:
+        stats = await asyncio.wait_for(s.engine.get_stats(), timeout=5)
+    except (EngineDeadError, TimeoutError) as e:
+        raise APIError(503, f"engine unavailable: {e}", "engine_dead") from e
+    dropped = dropped_spans() + int(stats.get("trace_spans_dropped", 0))
+    return PlainTextResponse(
+        s.metrics.render(stats, s.in_flight, dropped), media_type="text/plain; version=0.0.4"
+    )
+
+
+# vLLM's endpoint of the same name: a benchmark that replays a workload starts from an empty
+# prefix cache. False while requests run (their blocks cannot be dropped).
+@router.post("/reset_prefix_cache", responses=_ERRORS_503)
+async def reset_prefix_cache(request: Request) -> dict:
+    return {"reset": bool(await _state(request).engine.reset_prefix_cache())}
+
+
+# The tokenizer endpoints vLLM offers, which clients such as lm-evaluation-harness use to
+# tokenize exactly as the server does (its `tokenizer_backend=remote`).
+@router.post("/tokenize")
+async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest, request: Request) -> dict:
+    s = _state(request)
+    if body.model is not None:
+        _check_model(s, body.model)
+    if isinstance(body, TokenizeChatRequest):
+        ids = s.engine.apply_chat_template(chat_messages(body.messages))
+    else:
+        ids = s.engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"count": len(ids), "max_model_len": s.engine.max_model_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    s = _state(request)
+    if body.model is not None:
+        _check_model(s, body.model)
+    return {"prompt": s.engine.detokenize(body.tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict:
+    return _state(request).engine.tokenizer_info()
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    received = time.time()  # stage 1 starts here: tokenizing is part of it
+    s = _state(request)
+    _check_model(s, body.model)
+    prompts = body.prompts()
+    params = body.to_sampling_params(s.engine.default_sampling)
+    echo = Echo(prompts, score_only=body.score_only) if body.echo else None
+    responses = CompletionResponses(s.engine.get_tokenizer(), s.model_name, params, echo)
+    return await serve(
+        s, request, responses, prompts, params, received, body.stream, _include_usage(body)
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+    received = time.time()
+    s = _state(request)
+    _check_model(s, body.model)
+    params = body.to_sampling_params(s.engine.default_sampling)
+    ids = s.engine.apply_chat_template(chat_messages(body.messages))
+    responses = ChatResponses(s.engine.get_tokenizer(), s.model_name, params)
+    return await serve(
+        s, request, responses, [ids], params, received, body.stream, _include_usage(body)
+    )
+
+
 def _check_model(s: ServerState, model: str) -> None:
     if model != s.model_name:
         raise APIError(
