@@ -389,33 +389,27 @@ def main() -> None:
     import msgspec
     import uvicorn
 
+    from stepscope.engine.config import init_engine_process_tracing
     from stepscope.engine.entrypoints.launcher import APIServerArgs, read_processes
     from stepscope.traces import names
     from stepscope.traces.process import exit_once_on, ignore_terminal_signals, watch_parent
-    from stepscope.traces.setup import init_process_tracing, shutdown_tracing
+    from stepscope.traces.setup import shutdown_tracing
 
     args = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=APIServerArgs)
     watch_parent(args.parent_pid)
-    engine_args = args.engine_args
-    init_process_tracing(
-        names.SERVICE_API,
-        rank=args.index,
-        collector_endpoint=engine_args.get("collector_endpoint"),
-        otlp_endpoint=engine_args.get("otlp_endpoint"),
-        trace_steps=engine_args.get("trace_steps", "all"),
-    )
+    index = args.attach.client_index
+    init_engine_process_tracing(names.SERVICE_API, args.config, args.endpoints, rank=index)
     app = build_app(
         lambda: AsyncLLM(
-            args.model,
-            engine_handles=args.handles,
-            client_index=args.index,
-            output_addr=args.output_addr,
-            **engine_args,
+            config=args.config,
+            endpoints=args.endpoints,
+            attach=args.attach,
+            model_name=args.served_model_name,
         ),
         model_name=args.served_model_name,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
-        api_server=args.index,
+        api_server=index,
         process_list=lambda: read_processes(args.processes_file),
         niceness=args.niceness,
     )

@@ -34,8 +34,8 @@ import msgspec
 
 from stepscope.engine.config import Endpoints, EngineConfig
 from stepscope.engine.frontend.engine_group import (
+    Attachment,
     EngineGroup,
-    EngineHandles,
     start_core_process,
     stop_process,
 )
@@ -48,10 +48,8 @@ from stepscope.traces.process import free_port
 class APIServerArgs(msgspec.Struct):
     """What an API-server process started by the launcher reads from its stdin."""
 
-    index: int  # its client index: engine cores send its requests' outputs to output_addr
+    attach: Attachment  # the engine cores, its client index and where their outputs come in
     fd: int  # the shared listening socket
-    output_addr: str
-    handles: EngineHandles
     served_model_name: str
     config: EngineConfig
     endpoints: Endpoints
@@ -163,10 +161,8 @@ def launch(args: argparse.Namespace, config: EngineConfig, endpoints: Endpoints,
             servers.append(
                 _start_api_server(
                     APIServerArgs(
-                        index=index,
+                        attach=Attachment(handles, index, output_addrs[index]),
                         fd=listener.fileno(),
-                        output_addr=output_addrs[index],
-                        handles=handles,
                         served_model_name=name,
                         config=config,
                         endpoints=endpoints,

@@ -6,10 +6,13 @@ Two implementations: `UniProcExecutor` (uniproc_executor.py) and `MultiprocExecu
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
+from stepscope.traces import crossing
+from stepscope.traces.crossing import traced_receive
 from stepscope.traces.setup import flush_tracing
 
 
@@ -43,6 +46,15 @@ class Executor(ABC):
     @abstractmethod
     def worker_configs(self) -> list[EngineConfig]:
         """Each worker rank's configuration, as it arrived in its process."""
+
+    def receive_output(
+        self, decode, payload: bytes, step: int, sent_at: float, worker_seconds: float
+    ) -> ModelRunnerOutput:
+        """Rank 0's step output, crossing back from its worker (a traced receive); the step's
+        crossing time is what passed since `sent_at` less the worker's own `worker_seconds`."""
+        output = traced_receive(crossing.WORKER_TO_ENGINE_CORE, decode, payload, step=step)
+        self.last_crossing_seconds = time.perf_counter() - sent_at - worker_seconds
+        return output
 
     def flush_traces(self) -> None:
         """Export the spans the workers have ended so far."""

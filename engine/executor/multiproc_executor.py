@@ -73,7 +73,7 @@ from stepscope.engine.messages import (
 from stepscope.engine.models.config import read_model_shape
 from stepscope.engine.worker.worker_proc import describe_exit, start_workers, worker_addresses
 from stepscope.traces import crossing
-from stepscope.traces.crossing import traced_receive, traced_send
+from stepscope.traces.crossing import traced_send
 
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 5.0
@@ -236,14 +236,9 @@ class MultiprocExecutor(Executor):
         kind, rank, worker_seconds, payload = self._recv()
         if kind != WorkerReplyKind.OUTPUT:
             self._fail(f"expected a step output from rank 0, got {kind!r} from rank {rank}")
-        output = traced_receive(
-            crossing.WORKER_TO_ENGINE_CORE,
-            self._output_decoder.decode,
-            payload,
-            step=scheduler_output.step,
+        return self.receive_output(
+            self._output_decoder.decode, payload, scheduler_output.step, start, worker_seconds
         )
-        self.last_crossing_seconds = time.perf_counter() - start - worker_seconds
-        return output
 
     def worker_configs(self) -> list[EngineConfig]:
         return [msgspec.convert(c, EngineConfig) for c in self.collective_rpc("get_config")]

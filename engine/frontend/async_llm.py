@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Mapping
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 from stepscope.engine.config import DEFAULT_MODEL, Endpoints, EngineConfig
 from stepscope.engine.engine_args import check_engine_kwargs
 from stepscope.engine.frontend.core_client import AsyncMPClient
-from stepscope.engine.frontend.engine_group import EngineDeadError, EngineHandles
+from stepscope.engine.frontend.engine_group import Attachment, EngineDeadError
 from stepscope.engine.frontend.frontend import Frontend
 from stepscope.engine.frontend.input_processor import PromptType
 from stepscope.engine.frontend.parallel_sampling import ParentRequest
@@ -35,15 +35,13 @@ class AsyncLLM:
         *,
         config: EngineConfig | None = None,
         endpoints: Endpoints | None = None,
-        engine_handles: EngineHandles | None = None,
-        client_index: int = 0,
-        output_addr: str | None = None,
+        attach: Attachment | None = None,
         model_name: str | None = None,
         **engine_options: Any,
     ) -> None:
         """The engine a server runs: given a built `config` (serve, the launcher), or built
         here from `model` and the engine options (`max_num_seqs=...`; executor "mp" unless
-        told). It starts its own engine cores, or, given `engine_handles` from a launcher
+        told). It starts its own engine cores, or, given `attach` from a launcher
         (several API servers), attaches to those as API server `client_index`, receiving at
         `output_addr`. `endpoints`: where the engine's processes send spans."""
         if config is None:
@@ -54,17 +52,11 @@ class AsyncLLM:
             raise ValueError(f"engine options given beside a config: {sorted(engine_options)}")
         self.model_name = model_name or config.model_config.model
 
-        def make_client(resolved: EngineConfig, model_dir: Path) -> AsyncMPClient:
-            return AsyncMPClient(
-                resolved,
-                model_dir,
-                endpoints,
-                handles=engine_handles,
-                client_index=client_index,
-                output_addr=output_addr,
-            )
-
-        self.frontend = Frontend(config, make_client, model_name=self.model_name)
+        self.frontend = Frontend(
+            config,
+            partial(AsyncMPClient, endpoints=endpoints, attach=attach),
+            model_name=self.model_name,
+        )
         self.config = self.frontend.config
         self.client: AsyncMPClient = self.frontend.client
         self.tokenizer = self.frontend.tokenizer

@@ -35,9 +35,9 @@ from stepscope.engine.config import Endpoints, EngineConfig
 from stepscope.engine.core.dp_coordinator import decode_loads
 from stepscope.engine.core.engine_core import EngineCore
 from stepscope.engine.frontend.engine_group import (
+    Attachment,
     EngineDeadError,
     EngineGroup,
-    EngineHandles,
     describe_rank,
 )
 from stepscope.engine.frontend.load_balancer import LoadBalancer, merge_utility_results
@@ -145,12 +145,11 @@ class MPClient:
         config: EngineConfig,
         model_dir: Path | None,
         endpoints: Endpoints,
-        handles: EngineHandles | None = None,
-        client_index: int = 0,
-        output_addr: str | None = None,
+        attach: Attachment | None = None,
     ) -> None:
         self.ctx = ctx
         self._dir: str | None = None
+        handles, client_index, output_addr = attach or (None, 0, None)
         if output_addr is None:
             self._dir = tempfile.mkdtemp(prefix="stepscope-api-")
             output_addr = f"ipc://{self._dir}/out"
@@ -362,15 +361,9 @@ class AsyncMPClient(MPClient):
         config: EngineConfig,
         model_dir: Path | None = None,
         endpoints: Endpoints | None = None,
-        *,
-        handles: EngineHandles | None = None,
-        client_index: int = 0,
-        output_addr: str | None = None,
+        attach: Attachment | None = None,
     ) -> None:
-        super().__init__(
-            zmq.asyncio.Context(), config, model_dir, endpoints or Endpoints(), handles,
-            client_index, output_addr,
-        )  # fmt: skip
+        super().__init__(zmq.asyncio.Context(), config, model_dir, endpoints or Endpoints(), attach)
         self._tasks: list[asyncio.Task] = []
 
     def start(self, on_outputs, on_dead) -> None:

@@ -78,6 +78,16 @@ class EngineHandles(msgspec.Struct, array_like=True):
         return [*coordinator, *(p for ready in self.ready for p in ready.processes)]
 
 
+class Attachment(msgspec.Struct, array_like=True):
+    """How one of several API servers joins engine cores a launcher started: their handles, its
+    client index (the engine cores send its requests' outputs to it alone) and the address it
+    receives them at."""
+
+    handles: EngineHandles
+    client_index: int
+    output_addr: str
+
+
 def describe_rank(dp_size: int, rank: int, what: str) -> str:
     if dp_size == 1:
         return f"the engine core {what}"

@@ -11,7 +11,7 @@ child's span ends once its last output has been handed to the caller (`delivered
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,32 +85,14 @@ class Frontend:
         token_ids = self.processor.tokenize(prompt)
         return ParentRequest(self.processor.process(request_id, token_ids, params, arrival_time))
 
-    def track(
-        self,
-        parent: ParentRequest,
-        *,
-        operation: str,
-        stream: bool,
-        prompt: str | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        queue: Any = None,
-    ) -> InFlight:
-        """Register a request and its children before they are sent: their states, spans and
-        queue. A request id already in flight is refused."""
+    def track(self, parent: ParentRequest, *, queue: Any = None, **how: Any) -> InFlight:
+        """Register a request and its children before they are sent: their states and spans
+        (`how`: operation, stream, prompt, trace headers, as `OutputProcessor.add_request` takes
+        them) and the queue for its outputs. A request id already in flight is refused."""
         ids = [parent.request_id, *parent.child_ids]
         if any(i in self.requests or i in self._of_child for i in ids):
             raise ValueError(f"request id {parent.request_id!r} is already in flight")
-        states = []
-        for child in parent.children:
-            states.append(
-                self.output_processor.add_request(
-                    child,
-                    operation=operation,
-                    stream=stream,
-                    prompt=prompt,
-                    trace_headers=trace_headers,
-                )
-            )
+        states = [self.output_processor.add_request(child, **how) for child in parent.children]
         flight = InFlight(parent, states, queue)
         self.requests[parent.request_id] = flight
         self._of_child.update(dict.fromkeys(parent.child_ids, flight))

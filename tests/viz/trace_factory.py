@@ -176,14 +176,9 @@ class FakeExecutor(Executor):
         payload, worker_seconds = futures[0].result()
         for future in futures[1:]:
             future.result()
-        output = traced_receive(
-            crossing.WORKER_TO_ENGINE_CORE,
-            self.output_decoder.decode,
-            payload,
-            step=scheduler_output.step,
+        return self.receive_output(
+            self.output_decoder.decode, payload, scheduler_output.step, start, worker_seconds
         )
-        self.last_crossing_seconds = time.perf_counter() - start - worker_seconds
-        return output
 
     def _serve(self, rank: int, payload: bytes) -> tuple[bytes | None, float]:
         """One worker's step, as `WorkerProc.execute_model` and `Worker.execute_model` run it."""
