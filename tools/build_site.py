@@ -16,7 +16,6 @@ page or anchor that does not exist, say) fails the build.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -43,17 +42,9 @@ DOC_ORDER = [
 ]
 
 
-def _load_renderer():
-    spec = importlib.util.spec_from_file_location(
-        "render_tutorials", ROOT / "tools" / "render_tutorials.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-renderer = _load_renderer()
+# Run as `python tools/build_site.py`, whose folder Python puts on the path: the checkout too.
+sys.path.insert(0, str(ROOT))
+from tools import render_tutorials as renderer  # noqa: E402
 
 
 def why_execute(source: Path, executed: Path) -> str | None:

@@ -3,24 +3,17 @@ removes from a lesson before Sphinx reads it."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
+from tools import build_site
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_builder():
-    spec = importlib.util.spec_from_file_location("build_site", ROOT / "tools" / "build_site.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BUILDER = _load_builder()
+BUILDER = build_site
 
 
 def _executed(tmp_path: Path, source: Path, error: str | None = None, wall_s: float = 41.2) -> Path:

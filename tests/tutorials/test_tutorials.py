@@ -10,7 +10,6 @@ in a fresh kernel of this interpreter, in a temporary working directory, through
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -19,22 +18,14 @@ import nbformat
 import pytest
 from nbformat import NotebookNode
 
+from tools import render_tutorials
+
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = ROOT / "tutorials"
 LESSONS = [f"{i:02d}" for i in range(9)]  # the quickstart, then eight lessons
 
 
-def _load_renderer():
-    spec = importlib.util.spec_from_file_location(
-        "render_tutorials", ROOT / "tools" / "render_tutorials.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-RENDERER = _load_renderer()
+RENDERER = render_tutorials
 NOTEBOOKS = RENDERER.notebooks()
 CELL_TIMEOUT_S = RENDERER.CELL_TIMEOUT_S
 
