@@ -42,7 +42,7 @@ from stepscope.engine.entrypoints.protocol import (
     error_body,
     now,
 )
-from stepscope.engine.entrypoints.serving import ServerState, serve
+from stepscope.engine.entrypoints.serving import ServerOptions, ServerState, serve
 from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.engine.frontend.engine_group import EngineDeadError
 from stepscope.engine.metrics import ServerMetrics
@@ -52,18 +52,13 @@ VERSION = "0.1.0"
 
 
 def build_app(
-    engine_factory,
-    model_name: str,
-    api_key: str | None = None,
-    max_queued_requests: int = 256,
-    api_server: int | None = None,
-    process_list=None,
-    niceness: int = 0,
+    engine_factory, options: ServerOptions, api_server: int | None = None, process_list=None
 ) -> FastAPI:
     """`engine_factory()` builds the AsyncLLM when the server starts (its processes with it).
     With several API servers, `api_server` is this one's index and `process_list()` lists every
-    process of the deployment (default: the engine's own list). `niceness`: how much this
-    process lowers its scheduling priority once the engine has started (`serve` on a CPU)."""
+    process of the deployment (default: the engine's own list). `options.niceness`: how much
+    this process lowers its scheduling priority once the engine has started (on a CPU)."""
+    model_name, niceness = options.model_name, options.niceness
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,8 +71,9 @@ def build_app(
             # regions and steps instead. After the engine started: its processes keep theirs.
             os.nice(niceness)
         app.state.s = ServerState(
-            engine, model_name, api_key, max_queued_requests, ServerMetrics(model_name, api_server)
-        )
+            engine, model_name, options.api_key, options.max_queued_requests,
+            ServerMetrics(model_name, api_server),
+        )  # fmt: skip
         app.state.process_list = process_list or engine.processes
         try:
             yield
@@ -399,19 +395,14 @@ def main() -> None:
     watch_parent(args.parent_pid)
     index = args.attach.client_index
     init_engine_process_tracing(names.SERVICE_API, args.config, args.endpoints, rank=index)
+    name = args.options.model_name
     app = build_app(
         lambda: AsyncLLM(
-            config=args.config,
-            endpoints=args.endpoints,
-            attach=args.attach,
-            model_name=args.served_model_name,
-        ),
-        model_name=args.served_model_name,
-        api_key=args.api_key,
-        max_queued_requests=args.max_queued_requests,
+            config=args.config, endpoints=args.endpoints, attach=args.attach, model_name=name
+        ),  # fmt: skip
+        args.options,
         api_server=index,
         process_list=lambda: read_processes(args.processes_file),
-        niceness=args.niceness,
     )
     config = uvicorn.Config(app, fd=args.fd, log_level="warning", timeout_graceful_shutdown=5)
     # uvicorn stops gracefully on SIGTERM, then raises it again with the handler it found: make

@@ -33,6 +33,7 @@ from pathlib import Path
 import msgspec
 
 from stepscope.engine.config import Endpoints, EngineConfig
+from stepscope.engine.entrypoints.serving import ServerOptions
 from stepscope.engine.frontend.engine_group import (
     Attachment,
     EngineGroup,
@@ -50,14 +51,11 @@ class APIServerArgs(msgspec.Struct):
 
     attach: Attachment  # the engine cores, its client index and where their outputs come in
     fd: int  # the shared listening socket
-    served_model_name: str
+    options: ServerOptions
     config: EngineConfig
     endpoints: Endpoints
-    api_key: str | None
-    max_queued_requests: int
     processes_file: str  # every process of the deployment, as JSON (for GET /processes)
     parent_pid: int
-    niceness: int = 0  # lowered once its engine client is up (serve --api-server-niceness)
 
 
 # ---- arguments ----------------------------------------------------------------------------------
@@ -163,14 +161,11 @@ def launch(args: argparse.Namespace, config: EngineConfig, endpoints: Endpoints,
                     APIServerArgs(
                         attach=Attachment(handles, index, output_addrs[index]),
                         fd=listener.fileno(),
-                        served_model_name=name,
+                        options=ServerOptions.from_args(args, name),
                         config=config,
                         endpoints=endpoints,
-                        api_key=args.api_key,
-                        max_queued_requests=args.max_queued_requests,
                         processes_file=str(processes_file),
                         parent_pid=os.getpid(),
-                        niceness=args.api_server_niceness,
                     )
                 )
             )

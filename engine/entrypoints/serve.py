@@ -15,6 +15,7 @@ import uvicorn
 
 from stepscope.engine.config import Endpoints, EngineConfig, init_engine_process_tracing
 from stepscope.engine.entrypoints.api_server import build_app
+from stepscope.engine.entrypoints.serving import ServerOptions
 from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.traces import names
 from stepscope.traces.backend.collector_process import (
@@ -102,10 +103,7 @@ def _run(args: argparse.Namespace, config: EngineConfig, endpoints: Endpoints, n
     """Serve the OpenAI API until SIGINT/SIGTERM."""
     app = build_app(
         lambda: AsyncLLM(config=config, endpoints=endpoints, model_name=name),
-        model_name=name,
-        api_key=args.api_key,
-        max_queued_requests=args.max_queued_requests,
-        niceness=args.api_server_niceness,
+        ServerOptions.from_args(args, name),
     )
     note = "" if not args.no_trace else " (--no-trace: no spans recorded)"
     print(f"stepscope: serving {name} on http://{args.host}:{args.port}/v1{note}", flush=True)

@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
@@ -37,6 +38,20 @@ from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
+
+
+class ServerOptions(msgspec.Struct, frozen=True):
+    """One API server's own settings, from `serve`'s flags beside the engine's: the model name
+    it answers to, its API key, how many requests it holds, how far it lowers its priority."""
+
+    model_name: str
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    niceness: int = 0
+
+    @classmethod
+    def from_args(cls, args: Any, model_name: str) -> ServerOptions:
+        return cls(model_name, args.api_key, args.max_queued_requests, args.api_server_niceness)
 
 
 @dataclass(slots=True)

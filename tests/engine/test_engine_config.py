@@ -18,6 +18,7 @@ from stepscope.engine.engine_args import (
 )
 from stepscope.engine.entrypoints.cli import build_parser
 from stepscope.engine.entrypoints.launcher import APIServerArgs
+from stepscope.engine.entrypoints.serving import ServerOptions
 from stepscope.engine.frontend.engine_group import Attachment, EngineHandles
 from stepscope.engine.messages import CoreProcArgs
 
@@ -107,9 +108,8 @@ def test_the_config_is_frozen_and_addresses_travel_beside_it() -> None:
     assert back.endpoints.collector == "http://127.0.0.1:9/"
     api = APIServerArgs(
         attach=Attachment(EngineHandles(["ipc://a"], []), 0, "ipc://o"), fd=3,
-        served_model_name="m",
-        config=config, endpoints=Endpoints(), api_key=None, max_queued_requests=1,
-        processes_file="/p", parent_pid=1,
+        options=ServerOptions("m"), config=config, endpoints=Endpoints(), processes_file="/p",
+        parent_pid=1,
     )  # fmt: skip
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(api), type=APIServerArgs).config == config
 
