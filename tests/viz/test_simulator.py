@@ -155,15 +155,9 @@ def test_simulate_step_is_fast_enough_for_a_slider():
 
 
 # ---- many steps ---------------------------------------------------------------------------------
-SMALL_POOL = dict(
-    running=4,
-    prompt_len=480,
-    free_blocks=36,
-    budget=128,
-    block_size=16,
-    num_steps=24,
-    output_len=16,
-)
+# Four running requests of 480-token prompts in 36 free blocks of 16, under a 128-token budget.
+SMALL_POOL = dict(running=4, prompt_len=480, free_blocks=36, budget=128, block_size=16,
+                  num_steps=24, output_len=16)  # fmt: skip
 
 
 def _first_output_step(steps, rid):
