@@ -1,11 +1,12 @@
 """Which package may import which, read from the source with `ast` (nothing is imported).
 
-Tracing is a layer over the engine, not part of it: `traces/` knows nothing of the engine or the
-dashboard, the kernels know nothing of the engine, and the scheduler, KV cache manager and block
-pool record no spans. Models sit on the layers (forward ops, attention backends), not beside the
-worker: engine/models and engine/layers import nothing from engine/worker, and engine/layers
-nothing from engine/models. Every package under engine/ says in its docstring which process runs
-it.
+Tracing is a library under the engine: `traces/` knows nothing of the engine or the dashboard,
+the kernels know nothing of the engine, the engine's configuration nothing of the engine's
+packages, no package's modules import each other in a cycle, and the scheduler, KV cache manager
+and block pool record no spans. Models sit on the layers (forward ops, attention backends), not
+beside the worker: engine/models and engine/layers import nothing from engine/worker, and
+engine/layers nothing from engine/models. Every package under engine/ says in its docstring
+which process runs it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,60 @@ def _sources(folder: str) -> list[Path]:
 )
 def test_lower_layer_does_not_import_upper_one(folder, forbidden):
     assert _violations(_sources(folder), forbidden) == []
+
+
+# The engine's configuration is read by every process: it sits under every engine package.
+ENGINE_FLOORS = tuple(f"stepscope.engine.{p}" for p in ENGINE_PACKAGES)
+
+
+@pytest.mark.parametrize("path", ["engine/config.py", "engine/engine_args.py"])
+def test_the_engine_config_imports_no_engine_package(path):
+    assert _violations([ROOT / path], (*ENGINE_FLOORS, "stepscope.viz")) == []
+
+
+def _import_cycle(paths: list[Path]) -> list[str]:
+    """A cycle among the modules of `paths` (their names, the first repeated at the end), or [].
+    `from package import sibling` names the package too: that edge up to a module's own package
+    is not counted."""
+    names = {_module_name(p): p for p in paths}
+    graph = {
+        name: sorted(
+            {m for _, m in imports(p) if m in names and m != name and not name.startswith(m + ".")}
+        )
+        for name, p in names.items()
+    }
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str]:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return []
+        for nxt in graph[name]:
+            if cycle := visit(nxt, [*path, name]):
+                return cycle
+        done.add(name)
+        return []
+
+    for name in graph:
+        if cycle := visit(name, []):
+            return cycle
+    return []
+
+
+@pytest.mark.parametrize("folder", ["traces/backend", "engine/entrypoints", "engine/frontend"])
+def test_no_import_cycle(folder):
+    assert _import_cycle(_sources(folder)) == []
+
+
+def test_import_cycle_finder_sees_a_cycle(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    folder = tmp_path / "traces" / "backend"
+    folder.mkdir(parents=True)
+    (folder / "cli.py").write_text("def f():\n    from stepscope.traces.backend import export\n")
+    (folder / "export.py").write_text("from stepscope.traces.backend.cli import open_trace\n")
+    cycle = _import_cycle(sorted(folder.glob("*.py")))
+    assert cycle[0] == cycle[-1] and len(cycle) == 3
 
 
 def test_the_tracing_library_imports_nothing_of_the_trace_backend():
