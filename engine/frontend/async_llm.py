@@ -59,8 +59,6 @@ class AsyncLLM:
         )
         self.config = self.frontend.config
         self.client: AsyncMPClient = self.frontend.client
-        self.tokenizer = self.frontend.tokenizer
-        self.processor = self.frontend.processor
         self._started = False
         self.dead_reason: str | None = None
 
