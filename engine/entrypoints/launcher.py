@@ -74,8 +74,6 @@ def check_scale_out_args(args: argparse.Namespace) -> None:
     start = args.data_parallel_start_rank
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
-    if local is not None and not 0 <= local <= dp:
-        raise ValueError(f"--data-parallel-size-local must be in [0, --dp={dp}], got {local}")
     if args.engine_ready_timeout <= 0:
         raise ValueError(
             f"--engine-ready-timeout must be positive, got {args.engine_ready_timeout}"

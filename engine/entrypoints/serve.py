@@ -49,11 +49,11 @@ def serve(args: argparse.Namespace) -> None:
     from stepscope.engine.models.config import read_model_shape
     from stepscope.engine.models.loader import resolve_model
 
-    launcher.check_scale_out_args(args)
     # The configuration, built and validated once before anything starts (a typo fails fast
     # and clearly), and sent whole to every process.
     trace_db = args.trace_db or (str(default_trace_db()) if tracing else None)
     config = engine_config_from_args(args, offline=False, trace_db=trace_db)
+    launcher.check_scale_out_args(args)
     model_dir = resolve_model(config.model_config.model)
     # A checkpoint it cannot run is refused.
     read_model_shape(model_dir, config.parallel_config.tensor_parallel_size)

@@ -149,7 +149,9 @@ class MPClient:
     ) -> None:
         self.ctx = ctx
         self._dir: str | None = None
-        handles, client_index, output_addr = attach or (None, 0, None)
+        handles, client_index, output_addr = (
+            (attach.handles, attach.client_index, attach.output_addr) if attach else (None, 0, None)
+        )
         if output_addr is None:
             self._dir = tempfile.mkdtemp(prefix="stepscope-api-")
             output_addr = f"ipc://{self._dir}/out"
