@@ -14,6 +14,8 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 
@@ -102,6 +104,21 @@ class ProcessTree:
             self.kill()
             raise
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    @contextmanager
+    def adopting(self) -> Iterator[ProcessTree]:
+        """Every process started inside the block, by whatever means (an engine's own
+        multiprocessing or Popen, a `ServerProcess`), joins this tree: it inherits the tree's
+        mark from this process's environment, as do all its descendants."""
+        before = os.environ.get(MARK)
+        os.environ[MARK] = self.mark
+        try:
+            yield self
+        finally:
+            if before is None:
+                del os.environ[MARK]
+            else:
+                os.environ[MARK] = before
 
     def alive(self) -> list[psutil.Process]:
         return marked(self.mark)

@@ -9,10 +9,14 @@ import httpx
 from stepscope.engine.entrypoints.serve import ServerProcess
 from stepscope.traces.process import free_port
 
-__all__ = ["CLI", "Server", "free_port"]
+__all__ = ["API_KEY", "CLI", "SERVED_MODEL", "Server", "free_port"]
 
 # `stepscope ...` as a command line that runs this checkout's code in this interpreter.
 CLI = [sys.executable, "-m", "stepscope.engine.entrypoints.cli"]
+
+# The shared server's (tests/engine/conftest.py): its model, and the key it requires.
+SERVED_MODEL = "tiny-llama"
+API_KEY = "sk-test-key"
 
 
 class Server(ServerProcess):

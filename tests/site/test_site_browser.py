@@ -19,8 +19,6 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from tests.viz.conftest import CHROMIUM, CHROMIUM_ARGS, chromium_missing
-
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "build" / "site"
 # The lessons exactly as the site was built from them (build/tutorials/ may hold a later run).
@@ -104,19 +102,6 @@ def site_url() -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    reason = chromium_missing()
-    if reason:
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Tracing tests: every test leaves this process with tracing off, whatever it initialised."""
+"""Tracing tests: every test leaves this process with tracing off, whatever it initialised; the
+session's traced runs (tests/conftest.py) opened as trace stores."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from stepscope.traces.backend.collector_process import (
     start_collector_process,
     stop_collector_process,
 )
+from stepscope.traces.backend.store import TraceStore
 
 
 @pytest.fixture(autouse=True)
@@ -28,3 +30,19 @@ def collector(tmp_path) -> Iterator[tuple[object, str, str]]:
         yield process, url, db_path
     finally:
         stop_collector_process(process)
+
+
+@pytest.fixture(scope="module")
+def tp2_store(traced_tp2_run) -> Iterator[TraceStore]:
+    """The session's TP=2 run's trace file (tests/traced_runs.py), read-only, one per module."""
+    store = TraceStore(traced_tp2_run.path, read_only=True)
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def dp2_store(traced_dp2_run) -> Iterator[TraceStore]:
+    """The session's DP=2 run's trace file (tests/traced_runs.py), read-only, one per module."""
+    store = TraceStore(traced_dp2_run, read_only=True)
+    yield store
+    store.close()

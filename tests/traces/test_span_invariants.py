@@ -1,41 +1,21 @@
 """Orders that cause and effect fix, checked on every step of a real run with every boundary a
-process boundary (`LLM(executor="mp", tensor_parallel_size=2)`, chunked prefill). Notebooks 04 and
-05 show them in one picture each; these tests hold them for every step and every crossing.
+process boundary (`LLM(executor="mp", tensor_parallel_size=2)`, chunked prefill, preemptions: the
+session's TP=2 run). Notebooks 04 and 05 show them in one picture each; these tests hold them for
+every step, every crossing and every request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
 from stepscope.traces import names as n
-from stepscope.traces.backend.store import TraceStore
 from stepscope.viz.request_path import stage_occurrences
+from tests.traced_runs import TP2_PROMPTS
+
+# `tp2_store`: the session's TP=2 run (tests/traced_runs.py), read-only (tests/traces/conftest.py).
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Iterator[TraceStore]:
-    from stepscope.engine import LLM, SamplingParams
-
-    path = tmp_path_factory.mktemp("invariants") / "run.duckdb"
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    with LLM(
-        model="tiny-llama",
-        executor="mp",
-        tensor_parallel_size=2,
-        num_kv_blocks=64,
-        max_num_batched_tokens=16,
-        trace_db=path,
-    ) as llm:
-        llm.generate([list(range(100, 140)), list(range(200, 210))], params, use_tqdm=False)
-    with TraceStore(path, read_only=True) as store:
-        yield store
-
-
-def test_execute_starts_before_any_worker_step_and_holds_rank_0s_forward(store) -> None:
+def test_execute_starts_before_any_worker_step_and_holds_rank_0s_forward(tp2_store) -> None:
     # The engine core sends the step inside `execute` and waits there for rank 0's answer.
-    per_step = store.df(f"""
+    per_step = tp2_store.df(f"""
         SELECT s.step,
             max(c.start_ns) FILTER (WHERE c.name = '{n.EXECUTE}') AS execute_start,
             max(c.end_ns) FILTER (WHERE c.name = '{n.EXECUTE}') AS execute_end,
@@ -46,14 +26,14 @@ def test_execute_starts_before_any_worker_step_and_holds_rank_0s_forward(store) 
         JOIN spans c ON c.parent_span_id = s.span_id AND c.trace_id = s.trace_id
         JOIN spans w ON w.trace_id = s.trace_id AND w.service_name = '{n.SERVICE_WORKER}'
         GROUP BY s.step""")
-    assert len(per_step) == store.count(n.EXECUTE) > 0  # every step that ran the model
+    assert len(per_step) == tp2_store.count(n.EXECUTE) > 0  # every step that ran the model
     assert (per_step.execute_start <= per_step.first_worker_start).all()
     assert (per_step.execute_start <= per_step.forward0_start).all()
     assert (per_step.forward0_end <= per_step.execute_end).all()
 
 
-def test_every_receive_is_the_child_of_a_send_on_its_boundary_in_another_process(store) -> None:
-    crossings = store.df(
+def test_every_receive_is_the_child_of_a_send_on_its_boundary_in_another_process(tp2_store) -> None:
+    crossings = tp2_store.df(
         "SELECT span_id, parent_span_id, boundary, side, service_name FROM crossings"
     )
     sends = crossings[crossings.side == "send"].set_index("span_id")
@@ -65,12 +45,12 @@ def test_every_receive_is_the_child_of_a_send_on_its_boundary_in_another_process
         assert send.service_name != receive.service_name
 
 
-def test_stages_4_to_8_run_in_path_order_within_every_step(store) -> None:
+def test_stages_4_to_8_run_in_path_order_within_every_step(tp2_store) -> None:
     # Rank 0's copy of stages 5 and 6: rank 1 may still be starting its step when rank 0 replies.
-    request_ids = store.df("SELECT request_id FROM requests").request_id
-    assert len(request_ids) == 2
+    request_ids = tp2_store.df("SELECT request_id FROM requests").request_id
+    assert len(request_ids) == len(TP2_PROMPTS)
     for rid in request_ids:
-        _, occ = stage_occurrences(store, rid)
+        _, occ = stage_occurrences(tp2_store, rid)
         path = occ[occ.stage.between(4, 8) & (occ["rank"].isna() | (occ["rank"] == 0))]
         assert path.step.nunique() > 1
         for step, stages in path.groupby("step"):

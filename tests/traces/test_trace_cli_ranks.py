@@ -7,39 +7,25 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import pytest
-
 from stepscope.traces.backend import cli, queries
 from stepscope.traces.backend.store import TraceStore
-from tests.dp_trace import MAX_TOKENS, PROMPTS, record_dp2_trace
+from tests.traced_runs import DP2_MAX_TOKENS, DP2_PROMPTS
 
 
-@pytest.fixture(scope="module")
-def dp2_trace(tmp_path_factory) -> str:
-    return str(record_dp2_trace(tmp_path_factory.mktemp("dp2") / "dp2.duckdb"))
-
-
-@pytest.fixture
-def store(dp2_trace) -> TraceStore:
-    store = TraceStore(dp2_trace, read_only=True)
-    yield store
-    store.close()
-
-
-def test_both_ranks_ran_a_step_0(store):
-    steps = store.df("SELECT dp_rank, step FROM steps WHERE step = 0 ORDER BY dp_rank")
+def test_both_ranks_ran_a_step_0(dp2_store):
+    steps = dp2_store.df("SELECT dp_rank, step FROM steps WHERE step = 0 ORDER BY dp_rank")
     assert list(steps["dp_rank"]) == [0, 1]
-    assert queries.dp_ranks(store) == [0, 1]
+    assert queries.dp_ranks(dp2_store) == [0, 1]
 
 
-def test_summary_has_one_row_per_rank_that_adds_up(store):
-    tables = queries.summary(store)
+def test_summary_has_one_row_per_rank_that_adds_up(dp2_store):
+    tables = queries.summary(dp2_store)
     ranks = tables["ranks"]
     assert list(ranks["dp_rank"]) == [0, 1]
-    assert ranks["requests"].sum() == len(PROMPTS) and (ranks["requests"] > 0).all()
-    assert ranks["output_tokens"].sum() == len(PROMPTS) * MAX_TOKENS
-    routed = store.df("SELECT dp_rank, count(*) AS n, sum(input_tokens) AS tokens FROM requests "
-                      "GROUP BY dp_rank ORDER BY dp_rank")  # fmt: skip
+    assert ranks["requests"].sum() == len(DP2_PROMPTS) and (ranks["requests"] > 0).all()
+    assert ranks["output_tokens"].sum() == len(DP2_PROMPTS) * DP2_MAX_TOKENS
+    routed = dp2_store.df("SELECT dp_rank, count(*) AS n, sum(input_tokens) AS tokens "
+                          "FROM requests GROUP BY dp_rank ORDER BY dp_rank")  # fmt: skip
     assert list(ranks["requests"]) == list(routed["n"])
     assert list(ranks["input_tokens"]) == list(routed["tokens"])
     assert ranks["steps"].sum() == tables["steps"]["steps"][0]
@@ -50,9 +36,9 @@ def test_summary_has_one_row_per_rank_that_adds_up(store):
     assert (ranks["p50_ttft_ms"] <= ranks["p99_ttft_ms"]).all()
 
 
-def test_the_coordinators_publications_are_one_row_per_rank(store):
-    loads = store.df("SELECT * FROM dp_loads ORDER BY time_ns, dp_rank")
-    spans = store.df(
+def test_the_coordinators_publications_are_one_row_per_rank(dp2_store):
+    loads = dp2_store.df("SELECT * FROM dp_loads ORDER BY time_ns, dp_rank")
+    spans = dp2_store.df(
         "SELECT service_name, count(*) AS n FROM spans WHERE name = 'stepscope.dp_publish' "
         "GROUP BY 1"
     )
@@ -68,45 +54,45 @@ def test_the_coordinators_publications_are_one_row_per_rank(store):
     # engine cores' own counts went in: nothing above what their steps recorded.
     published = loads.groupby("dp_rank")[["num_running", "num_waiting"]].max()
     assert (published["num_running"] + published["num_waiting"]).max() > 0
-    recorded = store.df("SELECT dp_rank, max(num_running + num_waiting) AS most FROM steps "
-                        "GROUP BY 1 ORDER BY 1")  # fmt: skip
-    assert (published["num_running"] <= len(PROMPTS)).all()
-    assert published.sum(axis=1).max() <= max(recorded["most"].max(), len(PROMPTS))
-    ranks = queries.summary(store)["ranks"]
+    recorded = dp2_store.df("SELECT dp_rank, max(num_running + num_waiting) AS most FROM steps "
+                            "GROUP BY 1 ORDER BY 1")  # fmt: skip
+    assert (published["num_running"] <= len(DP2_PROMPTS)).all()
+    assert published.sum(axis=1).max() <= max(recorded["most"].max(), len(DP2_PROMPTS))
+    ranks = queries.summary(dp2_store)["ranks"]
     assert list(ranks["publications"]) == [publications, publications]
     assert not ranks["lost"].any()
 
 
-def test_cli_prints_work_per_dp_rank(dp2_trace):
+def test_cli_prints_work_per_dp_rank(traced_dp2_run):
     out = io.StringIO()
-    cli.trace_summary(dp2_trace, out=out)
+    cli.trace_summary(traced_dp2_run, out=out)
     text = out.getvalue()
     assert "work per DP rank" in text and "engine steps (all DP ranks)" in text
     table = text.split("work per DP rank")[1].split("\n\n")[0].splitlines()[1:]
     assert table[0].split()[:3] == ["dp_rank", "requests", "output_tokens"]
     rows = [line.split() for line in table[1:]]
     assert [r[0] for r in rows] == ["0", "1"]
-    assert sum(int(r[1]) for r in rows) == len(PROMPTS)
+    assert sum(int(r[1]) for r in rows) == len(DP2_PROMPTS)
     latest = text.split("latest requests")[1].splitlines()[1]
     assert latest.split()[-1] == "dp_rank"
 
 
-def test_request_steps_are_its_own_ranks(store, dp2_trace):
-    requests = store.df("SELECT request_id, dp_rank FROM requests")
+def test_request_steps_are_its_own_ranks(dp2_store, traced_dp2_run):
+    requests = dp2_store.df("SELECT request_id, dp_rank FROM requests")
     for rid, dp_rank in zip(requests["request_id"], requests["dp_rank"], strict=True):
-        path = queries.request_path(store, rid)
-        served = store.df(
+        path = queries.request_path(dp2_store, rid)
+        served = dp2_store.df(
             "SELECT step, start_ns FROM step_requests WHERE request_id = $1 ORDER BY start_ns",
             [rid],
         )
         assert list(path.steps["start_ns"]) == list(served["start_ns"])
         assert set(path.steps["dp_rank"]) == {dp_rank}
         assert set(path.crossings["dp_rank"]) == {dp_rank}
-        timings = queries.request_timings(store, rid)
+        timings = queries.request_timings(dp2_store, rid)
         assert timings["num_steps"] == len(served) and timings["dp_rank"] == dp_rank
     rid = requests["request_id"][requests["dp_rank"] == 1].iloc[0]
     out = io.StringIO()
-    assert cli.trace_request(dp2_trace, rid, out=out) == 0
+    assert cli.trace_request(traced_dp2_run, rid, out=out) == 0
     assert out.getvalue().splitlines()[0].endswith("DP rank 1")
 
 

@@ -25,28 +25,14 @@ from stepscope.traces.backend.store import TraceStore
 from tests.server_utils import CLI
 from tests.viz.trace_factory import write_trace
 
-PROMPTS = [
-    "Hi",
-    "Tell me about the scheduler of a serving engine",
-    "one two three four five six seven eight nine ten " * 4,
-    "Why does prefill take longer than decode, and what is chunked prefill?",
-]
-
 
 @pytest.fixture(scope="module", params=["offline", "factory"])
 def trace_db(request, tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp(request.param) / "trace.duckdb"
-    if request.param == "factory":
-        write_trace(str(path))
-        return str(path)
-    from stepscope.engine import LLM, SamplingParams
-
-    llm = LLM(model="tiny-llama", trace_db=path, num_kv_blocks=64, max_num_batched_tokens=32)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        llm.generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        llm.shutdown()
+    """The session's offline run (tests/traced_runs.py), or the dashboard's trace factory."""
+    if request.param == "offline":
+        return request.getfixturevalue("traced_offline_run")
+    path = tmp_path_factory.mktemp("factory") / "trace.duckdb"
+    write_trace(str(path))
     return str(path)
 
 

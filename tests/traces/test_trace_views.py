@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -62,10 +63,11 @@ def _step(step: int, stats: StepStats, scheduled: dict[str, int], links: dict) -
             pass
 
 
-@pytest.fixture
-def run_file(tmp_path) -> str:
-    """Spans of a tiny run, written straight into a DuckDB file, then closed."""
-    path = str(tmp_path / "run.duckdb")
+@pytest.fixture(scope="module")
+def run_file(tmp_path_factory) -> str:
+    """Spans of a tiny run, written straight into a DuckDB file, then closed (once per module:
+    every test only reads it)."""
+    path = str(tmp_path_factory.mktemp("views") / "run.duckdb")
     setup.init_tracing(n.SERVICE_ENGINE_CORE, exporters=[DuckDBSpanExporter(path)])
     request_spans = {}
     links = {}
@@ -101,9 +103,13 @@ def run_file(tmp_path) -> str:
     return path
 
 
-@pytest.fixture
-def store(run_file) -> TraceStore:
-    return TraceStore(run_file, read_only=True)
+@pytest.fixture(scope="module")
+def store(run_file) -> Iterator[TraceStore]:
+    """The fake run's file, read-only (this module's own: the real runs' are tp2_store and
+    dp2_store in tests/traces/conftest.py)."""
+    store = TraceStore(run_file, read_only=True)
+    yield store
+    store.close()
 
 
 def test_requests_view_has_timeline_and_usage(store):

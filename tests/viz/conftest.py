@@ -1,81 +1,40 @@
-"""Dashboard test fixtures: a real run's trace file, dashboard servers and a headless Chromium
-(Debian's, driven by Playwright; `playwright install` is not needed)."""
+"""Dashboard test fixtures: sources over the session's real traced runs (tests/conftest.py) and
+dashboard servers. The browser is the session's (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from stepscope.traces.backend.store import TraceStore
+from stepscope.traces.backend.source import DuckDBSource
 from stepscope.traces.process import free_port
+from tests.process_tree import ProcessTree
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-]
 
 
-SHARED = "The quick brown fox jumps over the lazy dog. " * 6
-PROMPTS = [SHARED + f"Question {i}: " + "tell me about scheduling " * (i % 4) for i in range(8)]
-
-_DESCRIBE = """
-SELECT (SELECT count(*) FROM requests) AS requests,
-       (SELECT count(*) FROM steps) AS steps,
-       (SELECT sum(num_preempted) FROM steps) AS preemptions,
-       (SELECT sum(prefix_hit_tokens) FROM steps) AS prefix_hit_tokens,
-       (SELECT count(DISTINCT rank) FROM worker_steps) AS workers,
-       (SELECT count(DISTINCT boundary) FROM crossings) AS boundaries,
-       (SELECT max(num_prefill_tokens) FROM steps) AS max_prefill
-"""
+@pytest.fixture(scope="module")
+def source(traced_tp2_run) -> Iterator[DuckDBSource]:
+    """The TP=2 run's trace file (the dashboard tests' trace), read as the dashboard reads it
+    (one per module)."""
+    src = DuckDBSource(traced_tp2_run.path)
+    yield src
+    src.close()
 
 
-@pytest.fixture(scope="session")
-def trace_db(tmp_path_factory) -> tuple[str, dict[str, Any]]:
-    """A real run's trace file: tiny-llama on the real engine (API side, engine-core process,
-    two workers), with a KV pool small enough that requests queue, share a prefix, are chunked
-    and get preempted. Returns the path and what the run did."""
-    from stepscope.engine.entrypoints.llm import LLM
-    from stepscope.engine.sampling_params import SamplingParams
-
-    path = tmp_path_factory.mktemp("trace") / "run.duckdb"
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with LLM(
-        model="tiny-llama",
-        executor="mp",
-        tensor_parallel_size=2,
-        num_kv_blocks=14,
-        max_num_batched_tokens=64,
-        trace_db=path,
-    ) as llm:
-        llm.generate(PROMPTS, params, use_tqdm=False)
-    with TraceStore(path, read_only=True) as store:
-        info: dict[str, Any] = {k: int(v) for k, v in store.query(_DESCRIBE)[0].items()}
-        preempted = store.query(
-            "SELECT request_id, num_preemptions FROM requests WHERE num_preemptions > 0 "
-            "ORDER BY start_ns LIMIT 1"
-        )
-    if preempted:
-        info["preempted_request"] = preempted[0]["request_id"]
-        info["preempted_times"] = int(preempted[0]["num_preemptions"])
-    assert info["requests"] == len(PROMPTS) and info["workers"] == 2 and info["boundaries"] == 4
-    assert info["preemptions"] > 0 and info["prefix_hit_tokens"] > 0, info
-    assert "preempted_request" in info, "a preemption must show on its request span"
-    return str(path), info
+@pytest.fixture(scope="module")
+def dp2_source(traced_dp2_run) -> Iterator[DuckDBSource]:
+    """The DP=2 run's trace file, read as the dashboard reads it (one per module)."""
+    src = DuckDBSource(traced_dp2_run)
+    yield src
+    src.close()
 
 
 def wait_http(
@@ -136,43 +95,22 @@ class DashboardServer:
 
 
 @pytest.fixture(scope="module")
-def servers(trace_db, tmp_path_factory) -> Iterator[dict[str, DashboardServer]]:
+def servers(traced_tp2_run, tmp_path_factory) -> Iterator[dict[str, DashboardServer]]:
     """Two dashboards: replaying the trace file, and with no trace at all. Both start at once,
     so their start-up (mostly imports) overlaps."""
     logs = tmp_path_factory.mktemp("logs")
-    started = {
-        "replay": DashboardServer(["--db", trace_db[0]], logs / "replay.log"),
-        "empty": DashboardServer([], logs / "empty.log"),
-    }
+    tree = ProcessTree()
+    with tree.adopting():
+        started = {
+            "replay": DashboardServer(["--db", traced_tp2_run.path], logs / "replay.log"),
+            "empty": DashboardServer([], logs / "empty.log"),
+        }
     try:
         yield {name: server.wait() for name, server in started.items()}
     finally:
         for server in started.values():
             server.stop()
-
-
-def chromium_missing() -> str | None:
-    if not os.path.exists(CHROMIUM) and shutil.which("chromium") is None:
-        return "chromium is not installed (apt-get install -y chromium)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "the playwright package is not installed"
-    return None
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    reason = chromium_missing()
-    if reason:
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        executable = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
-        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
+        tree.kill()
 
 
 @pytest.fixture(scope="module")

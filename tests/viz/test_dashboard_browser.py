@@ -148,8 +148,10 @@ def test_pages_without_a_trace_say_how_to_get_one(empty_page, artifacts):
     page.assert_only_local()
 
 
-def test_request_path_page_shows_ten_stages_of_a_real_request(replay_page, artifacts, trace_db):
-    info = trace_db[1]
+def test_request_path_page_shows_ten_stages_of_a_real_request(
+    replay_page, artifacts, traced_tp2_run
+):
+    info = traced_tp2_run.info
     page = replay_page
     page.tab("Request path")
     page.page.locator("#ro-req-id").wait_for(timeout=TIMEOUT_MS)
@@ -165,8 +167,8 @@ def test_request_path_page_shows_ten_stages_of_a_real_request(replay_page, artif
     page.assert_only_local()
 
 
-def test_engine_page_replays_the_trace_and_opens_a_request(replay_page, artifacts, trace_db):
-    info = trace_db[1]
+def test_engine_page_replays_the_trace_and_opens_a_request(replay_page, artifacts, traced_tp2_run):
+    info = traced_tp2_run.info
     page = replay_page
     page.expect_text("source-label", "replay of run.duckdb")
     page.tab("Engine")

@@ -5,19 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from contextlib import closing
 
 import numpy as np
-import pytest
 
-from stepscope.traces.backend.source import DuckDBSource
 from stepscope.viz import engine_data as data
-
-
-@pytest.fixture(scope="module")
-def source(trace_db):
-    with closing(DuckDBSource(trace_db[0])) as src:
-        yield src
 
 
 def test_engine_data_imports_without_panel_or_bokeh():
@@ -29,8 +20,8 @@ def test_engine_data_imports_without_panel_or_bokeh():
     assert out.stdout.strip() == "[]"
 
 
-def test_steps_and_requests_shape_into_the_charts_and_table_columns(source, trace_db):
-    info = trace_db[1]
+def test_steps_and_requests_shape_into_the_charts_and_table_columns(source, traced_tp2_run):
+    info = traced_tp2_run.info
     steps, requests = data.read_steps(source), data.read_requests(source)
     assert len(steps) == info["steps"] and len(requests) == info["requests"]
     assert data.ranks_in(steps, requests) == [0]

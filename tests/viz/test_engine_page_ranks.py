@@ -9,28 +9,19 @@ import pandas as pd
 import pytest
 
 from stepscope.traces import names as n
-from stepscope.traces.backend.source import DuckDBSource
 from stepscope.viz.engine_data import load_series, rank_series, rank_table
 from stepscope.viz.engine_page import EnginePage
-from tests.dp_trace import PROMPTS, record_dp2_trace
+from tests.traced_runs import DP2_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    path = record_dp2_trace(tmp_path_factory.mktemp("dp2") / "dp2.duckdb")
-    src = DuckDBSource(path)
-    yield src
-    src.close()
+def steps(dp2_source) -> pd.DataFrame:
+    return dp2_source.query("SELECT * FROM steps ORDER BY start_ns")
 
 
 @pytest.fixture(scope="module")
-def steps(source) -> pd.DataFrame:
-    return source.query("SELECT * FROM steps ORDER BY start_ns")
-
-
-@pytest.fixture(scope="module")
-def page(source) -> EnginePage:
-    return EnginePage(source, open_request=lambda rid: None)
+def page(dp2_source) -> EnginePage:
+    return EnginePage(dp2_source, open_request=lambda rid: None)
 
 
 def test_rank_series_has_one_line_per_rank(steps):
@@ -53,17 +44,17 @@ def test_rank_series_has_one_line_per_rank(steps):
         np.testing.assert_array_equal(data["waiting"][i], mine["num_waiting"])
 
 
-def test_rank_table_counts_each_ranks_work(source, steps):
-    requests = source.query("SELECT * FROM requests")
+def test_rank_table_counts_each_ranks_work(dp2_source, steps):
+    requests = dp2_source.query("SELECT * FROM requests")
     table = rank_table(steps, requests)
     assert list(table["dp_rank"]) == [0, 1]
-    assert table["requests"].sum() == len(PROMPTS) and (table["requests"] > 0).all()
+    assert table["requests"].sum() == len(DP2_PROMPTS) and (table["requests"] > 0).all()
     assert table["steps"].sum() == len(steps)
     assert table["output_tokens"].sum() == requests["output_tokens"].sum()
 
 
-def test_load_chart_draws_what_the_coordinator_published(page, source):
-    loads = source.query("SELECT * FROM dp_loads ORDER BY time_ns")
+def test_load_chart_draws_what_the_coordinator_published(page, dp2_source):
+    loads = dp2_source.query("SELECT * FROM dp_loads ORDER BY time_ns")
     loads = loads[loads["time_ns"] >= page.origin_ns]  # from the first request on
     assert len(loads) > 0
     lines = page.load_lines.data
@@ -101,7 +92,7 @@ def test_a_lost_rank_gets_one_mark_where_it_was_first_published_lost():
     assert not table.loc[0, "lost"] and table.loc[1, "lost"]
 
 
-def test_page_shows_each_rank(page, source, steps):
+def test_page_shows_each_rank(page, dp2_source, steps):
     assert page.ranks == [0, 1]
     assert page.rank_box.visible and page.rank_select.visible
     assert list(page.rank_select.options.values()) == [0, 1]
@@ -110,15 +101,15 @@ def test_page_shows_each_rank(page, source, steps):
     assert 'id="ro-eng-ranks">2<' in page.summary.object
     assert f'id="ro-eng-steps">{len(steps)}<' in page.summary.object  # every rank's steps
     table = page.table.value
-    assert len(table) == len(PROMPTS)
-    routed = source.query("SELECT request_id, dp_rank FROM requests")
+    assert len(table) == len(DP2_PROMPTS)
+    routed = dp2_source.query("SELECT request_id, dp_rank FROM requests")
     assert dict(zip(table["request_id"], table["dp_rank"], strict=True)) == dict(
         zip(routed["request_id"], routed["dp_rank"], strict=True)
     )
 
 
 @pytest.mark.parametrize("dp_rank", [1, 0])
-def test_per_step_charts_and_player_show_one_rank(page, source, steps, dp_rank):
+def test_per_step_charts_and_player_show_one_rank(page, dp2_source, steps, dp_rank):
     page.rank_select.value = dp_rank
     mine = steps[steps["dp_rank"] == dp_rank]
     shown = pd.DataFrame(page.step_source.data)
@@ -129,11 +120,11 @@ def test_per_step_charts_and_player_show_one_rank(page, source, steps, dp_rank):
 
     page.show_step(0)  # both ranks have a step 0: the detail is this rank's
     assert f"<b>DP rank {dp_rank}, step 0</b>:" in page.step_detail.object
-    served = source.query(
+    served = dp2_source.query(
         "SELECT request_id, num_tokens FROM step_requests WHERE dp_rank = $1 AND step = 0",
         [dp_rank],
     )
-    other = source.query(
+    other = dp2_source.query(
         "SELECT request_id FROM step_requests WHERE dp_rank <> $1 AND step = 0", [dp_rank]
     )
     detail = page.step_detail.object.split("requests (tokens):")[1]
@@ -163,12 +154,12 @@ def test_timeline_groups_processes_by_rank(page):
     }
 
 
-def test_request_path_page_names_the_requests_rank(source):
+def test_request_path_page_names_the_requests_rank(dp2_source):
     from stepscope.viz.path_page import RequestPathPage
 
-    routed = source.query("SELECT request_id, dp_rank FROM requests ORDER BY dp_rank DESC")
+    routed = dp2_source.query("SELECT request_id, dp_rank FROM requests ORDER BY dp_rank DESC")
     rid, dp_rank = routed["request_id"].iloc[0], int(routed["dp_rank"].iloc[0])
-    path = RequestPathPage(source)
+    path = RequestPathPage(dp2_source)
     path.show(rid)
     assert f'id="ro-req-dp-rank">{dp_rank}<' in path.header.object
     assert dp_rank == 1 and 'id="stage-10"' in path.stages.object

@@ -15,13 +15,6 @@ from stepscope.traces.backend.source import DuckDBSource
 from stepscope.viz.request_path import STAGES, stage_occurrences, stage_summary
 
 
-@pytest.fixture(scope="module")
-def source(trace_db):
-    src = DuckDBSource(trace_db[0])
-    yield src
-    src.close()
-
-
 def test_ten_stages_cover_the_four_boundaries_once_each():
     assert [s.number for s in STAGES] == list(range(1, 11))
     crossing = [s for s in STAGES if "->" in s.process]
@@ -91,13 +84,12 @@ def test_unknown_request_is_a_key_error(source):
         stage_occurrences(source, "no-such-request")
 
 
-def test_duckdb_source_is_read_only_and_checks_the_file(tmp_path, trace_db):
-    src = DuckDBSource(trace_db[0])
+def test_duckdb_source_is_read_only_and_checks_the_file(tmp_path, traced_tp2_run):
+    src = DuckDBSource(traced_tp2_run.path)
     try:
         assert not src.live
-        assert (
-            src.query("SELECT count(*) AS n FROM requests")["n"].iloc[0] == trace_db[1]["requests"]
-        )
+        requests = src.query("SELECT count(*) AS n FROM requests")["n"].iloc[0]
+        assert requests == traced_tp2_run.info["requests"]
         with pytest.raises(Exception, match="read-only"):
             src.query("CREATE TABLE x (a INTEGER)")
     finally:
@@ -110,12 +102,12 @@ def test_duckdb_source_is_read_only_and_checks_the_file(tmp_path, trace_db):
         DuckDBSource(other)
 
 
-def test_app_pages_read_the_trace(source, trace_db):
+def test_app_pages_read_the_trace(source, traced_tp2_run):
     from stepscope.viz import app
 
+    info = traced_tp2_run.info
     page = app.build_app(source)
     assert page.title == "stepscope"
-    info = trace_db[1]
     engine = app.EnginePage(source, open_request=lambda rid: None)
     table = engine.table.value
     ids = set(source.query("SELECT request_id FROM requests")["request_id"])

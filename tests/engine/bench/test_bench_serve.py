@@ -1,4 +1,5 @@
-"""`run_bench_serve` against a real `stepscope serve` process on loopback, in both load modes."""
+"""`run_bench_serve` against a real `stepscope serve` process on loopback, in both load modes
+(`server`: the shared server of tests/engine/conftest.py, which requires API_KEY)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,12 @@ from stepscope.engine.bench.serve_client import (
     run_bench_serve,
 )
 from stepscope.engine.models.loader import load_config, resolve_model
-from tests.server_utils import CLI, Server
+from tests.server_utils import API_KEY, CLI
 
 
 @pytest.fixture(scope="module")
 def vocab() -> int:
     return load_config(resolve_model("tiny-llama"))["vocab_size"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--model", "tiny-llama", "--num-kv-blocks", "256")
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +43,21 @@ def assert_sane(res: BenchResult, workload: Workload) -> None:
 
 
 def test_closed_loop_streams_every_requested_token(server, workload) -> None:
-    res = run_bench_serve(server.url, workload, concurrency=3)
+    res = run_bench_serve(server.url, workload, concurrency=3, api_key=API_KEY)
     assert res.concurrency == 3 and res.request_rate is None
     assert_sane(res, workload)
 
 
 def test_open_loop_poisson_arrivals_stream_every_requested_token(server, workload) -> None:
-    res = run_bench_serve(server.url, workload, request_rate=20.0, seed=1)
+    res = run_bench_serve(server.url, workload, request_rate=20.0, seed=1, api_key=API_KEY)
     assert res.request_rate == 20.0
     assert_sane(res, workload)
 
 
 def test_replayed_workload_reports_prefix_cache_hits(server, vocab) -> None:
     workload = make_workload(4, (40, 64), (2, 2), vocab, seed=3)
-    first = run_bench_serve(server.url, workload, concurrency=4)
-    again = run_bench_serve(server.url, workload, concurrency=4)
+    first = run_bench_serve(server.url, workload, concurrency=4, api_key=API_KEY)
+    again = run_bench_serve(server.url, workload, concurrency=4, api_key=API_KEY)
     assert first.prefix_cache_queries is not None and first.prefix_cache_hits == 0
     assert again.prefix_cache_hits >= 4 * 32  # at least the first two full blocks of each
     assert "Prefix cache hits" in format_result(again)
@@ -73,7 +67,7 @@ def test_failed_request_is_counted_not_raised(server, vocab) -> None:
     good = make_workload(2, (8, 16), (4, 4), vocab, seed=2)
     bad_prompt = [vocab + 5] * 8  # out of the vocabulary: HTTP 400
     workload = Workload([good.prompts[0], bad_prompt, good.prompts[1]], [4, 4, 4])
-    res = run_bench_serve(server.url, workload, concurrency=2)
+    res = run_bench_serve(server.url, workload, concurrency=2, api_key=API_KEY)
     assert res.completed == 2 and res.failed == 1
     assert not res.requests[1].success and "HTTP 400" in res.requests[1].error
     assert res.total_output_tokens == 8
@@ -139,8 +133,9 @@ def test_repeated_comparison_with_offline_alternates_and_empties_the_prefix_cach
     """Against a running server, `--repeat 2 --compare-offline` runs server, offline, offline,
     server; the second replay finds nothing in the prefix cache, so both do the same work."""
     out = _bench_cli(
-        process_tree, "--url", server.url, "--repeat", "2", "--compare-offline", *SMALL_WORKLOAD
-    )
+        process_tree, "--url", server.url, "--api-key", API_KEY, "--repeat", "2",
+        "--compare-offline", *SMALL_WORKLOAD,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     order = re.findall(r"^(server|offline float32) run (\d):", out.stdout, re.M)
     assert order == [

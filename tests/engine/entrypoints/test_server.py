@@ -14,30 +14,11 @@ import openai
 import psutil
 import pytest
 
+from tests.server_utils import API_KEY as KEY
+from tests.server_utils import SERVED_MODEL as MODEL
 from tests.server_utils import Server
 
-MODEL = "tiny-llama"
-KEY = "sk-test-key"
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = Server(
-        "--model",
-        MODEL,
-        "--num-kv-blocks",
-        "256",
-        "--api-key",
-        KEY,
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        "64",
-        "--api-server-niceness",
-        "10",
-    )
-    yield s
-    s.stop()
+# `server`: the shared tiny-llama server of tests/engine/conftest.py.
 
 
 @pytest.fixture

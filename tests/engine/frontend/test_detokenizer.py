@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepscope.engine.frontend.detokenizer import IncrementalDetokenizer
-from stepscope.engine.models.loader import load_tokenizer, resolve_model
 from stepscope.engine.sampling_params import SamplingParams
 
 ENGLISH = "The quick brown fox jumps over the lazy dog, twice."
@@ -18,11 +17,6 @@ CJK = "東京は日本の首都です。"
 EMOJI = "🌊🎉👍🏽"
 MIXED = "Mixed: naïve café, 東京 🌊 and 👍🏽 done!"
 IM_END = 2  # SmolLM2's <|im_end|>, a special token
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return load_tokenizer(resolve_model("tiny-llama"))
 
 
 def encode(tok: Any, text: str) -> list[int]:

@@ -9,7 +9,6 @@ import pytest
 
 from stepscope.engine.frontend.output_processor import OutputProcessor
 from stepscope.engine.messages import EngineCoreOutput, EngineCoreRequest, Logprob
-from stepscope.engine.models.loader import load_tokenizer, resolve_model
 from stepscope.engine.outputs import RequestMetrics
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
@@ -17,11 +16,6 @@ from stepscope.traces.names import RequestEvent
 
 TEXT = "Hello world. Stop here. More text"
 ARRIVAL = 1000.0
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return load_tokenizer(resolve_model("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
