@@ -21,6 +21,17 @@ import psutil
 
 MARK = "STEPSCOPE_TEST_TREE"
 
+# Slack on top of a death-detection bound derived from engine/liveness.py: the scheduling delays
+# of a loaded machine (two cores, the rest of `make test` beside it), never a missed interval.
+DETECTION_GRACE_S = 2.0
+
+
+def noticed_within(*waits: float) -> float:
+    """How long a test gives stepscope to notice a death: the intervals and timeouts of
+    engine/liveness.py that lie on the way from the death to the error, plus DETECTION_GRACE_S.
+    A changed constant moves the bound with it."""
+    return sum(waits) + DETECTION_GRACE_S
+
 
 def pid_alive(pid: int) -> bool:
     """The process runs (a zombie, dead but not yet reaped, does not count)."""
