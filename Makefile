@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup demo test bench llama-server lint format lab tutorials gpu-check gpu-check-dry site site-check
+.PHONY: setup demo test check test-slow bench llama-server lint format lab tutorials gpu-check gpu-check-dry site site-check
 
 setup: $(STAMP)
 
@@ -26,8 +26,17 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(PY) -m stepscope.engine.entrypoints.cli demo
 
+# Everything: lint, then every test, fast and slow tiers, naming the 25 slowest.
 test: setup lint
 	$(PY) -m pytest -q --durations=25
+
+# The developer's loop: lint, then every test not marked `slow` (a few minutes on 2 cores).
+check: setup lint
+	$(PY) -m pytest -q -m "not slow" --durations=10
+
+# The slow tier alone: notebooks, browsers, lm-eval, multi-process deployments, process lifetimes.
+test-slow: setup
+	$(PY) -m pytest -q -m slow --durations=25
 
 bench: setup
 	$(PY) -m stepscope.engine.entrypoints.cli bench offline

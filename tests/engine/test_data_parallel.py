@@ -62,6 +62,7 @@ def test_stats_of_ranks_add_up() -> None:
 
 
 # ---- real processes ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_dp2_gives_the_dp1_tokens_with_vllms_process_count(dp1_tokens) -> None:
     with LLM(**TINY, executor="mp", data_parallel_size=2) as llm:
         procs = llm.processes()
@@ -81,6 +82,7 @@ def test_dp2_gives_the_dp1_tokens_with_vllms_process_count(dp1_tokens) -> None:
     assert wait_pids_gone(pids) == []
 
 
+@pytest.mark.slow
 def test_dp2_with_tp2_gives_the_dp1_tokens(dp1_tokens) -> None:
     with LLM(**TINY, executor="mp", data_parallel_size=2, tensor_parallel_size=2) as llm:
         procs = llm.processes()
@@ -92,6 +94,7 @@ def test_dp2_with_tp2_gives_the_dp1_tokens(dp1_tokens) -> None:
     assert wait_pids_gone(pids) == []
 
 
+@pytest.mark.slow
 def test_a_burst_is_served_by_both_ranks_as_the_trace_shows(tmp_path) -> None:
     db = tmp_path / "dp.duckdb"
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -116,6 +119,7 @@ def test_a_burst_is_served_by_both_ranks_as_the_trace_shows(tmp_path) -> None:
     assert len(crossings.groupby(["boundary", "side"])) == 8
 
 
+@pytest.mark.slow
 def test_async_engine_fails_every_stream_when_a_rank_dies() -> None:
     async def run() -> None:
         engine = AsyncLLM("tiny-llama", num_kv_blocks=64, data_parallel_size=2, executor="uni")
@@ -142,6 +146,7 @@ def test_async_engine_fails_every_stream_when_a_rank_dies() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_a_rank_decoding_steadily_keeps_its_heartbeat() -> None:
     # One long decode per rank: outputs every step, the (waiting, running) pair unchanged for
     # longer than the coordinator's DP_RANK_TIMEOUT_S. The heartbeat must still go out.

@@ -36,7 +36,7 @@ def uni_tokens() -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_mp_executor_gives_the_uni_tokens_with_one_process_per_rank(uni_tokens, tp: int) -> None:
     with LLM(**TINY, executor="mp", tensor_parallel_size=tp) as llm:
         procs = llm.processes()
@@ -64,6 +64,7 @@ def test_smollm2_tp3_gives_the_tp1_tokens() -> None:
     assert tokens[3] == tokens[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("layout", "victim"),
     [("tp2", "engine_core"), ("tp2", "worker"), ("dp2", "engine_core"), ("dp2", "worker")],
@@ -125,6 +126,7 @@ def test_async_engine_streams_aborts_and_frees_blocks(uni_tokens) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_async_engine_fails_in_flight_requests_when_the_core_dies() -> None:
     async def run() -> None:
         engine = AsyncLLM("tiny-llama", num_kv_blocks=64)
@@ -170,6 +172,7 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "signum", "background"),
     [

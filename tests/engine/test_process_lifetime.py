@@ -17,6 +17,8 @@ import pytest
 from stepscope.engine.entrypoints.serve import wait_healthy
 from tests.server_utils import CLI, free_port
 
+pytestmark = pytest.mark.slow  # process lifetimes: servers killed, their trees watched
+
 
 def port_is_free(port: int) -> bool:
     """Nothing listens there: the next server can bind it (as servers do, with SO_REUSEADDR,

@@ -29,6 +29,8 @@ from stepscope.engine.entrypoints.serve import wait_healthy
 from stepscope.traces.backend.store import TraceStore
 from tests.server_utils import CLI, free_port
 
+pytestmark = pytest.mark.slow  # signals to real servers and scripts, then every span read back
+
 STOP_TIMEOUT_S = 120
 PROMPTS = [f"Request {i}: " + "alpha beta gamma " * (2 + 2 * i) for i in range(6)]
 

@@ -26,9 +26,12 @@ BUILT_FROM = ROOT / "build" / "site-src" / "tutorials"
 BOKEH_EXEC_MIME = "application/vnd.bokehjs_exec.v0+json"
 TIMEOUT_MS = 30_000
 
-pytestmark = pytest.mark.skipif(
-    not (SITE / "index.html").exists(), reason="no site in build/site: `make site` builds it"
-)
+pytestmark = [
+    pytest.mark.slow,  # every page of the site in Chromium
+    pytest.mark.skipif(
+        not (SITE / "index.html").exists(), reason="no site in build/site: `make site` builds it"
+    ),
+]
 
 
 def _pages() -> list[str]:

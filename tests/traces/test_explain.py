@@ -103,6 +103,7 @@ async def _long_then_short(server: Server) -> tuple[str, str]:
         return await long, short
 
 
+@pytest.mark.slow
 def test_a_short_request_behind_a_long_chunked_prefill_waits_for_it(tmp_path) -> None:
     db = str(tmp_path / "serve.duckdb")
     server = Server("--model", "tiny-llama", "--trace-db", db, "--num-kv-blocks", "160",

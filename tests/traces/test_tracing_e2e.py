@@ -11,6 +11,8 @@ from stepscope.traces.backend import queries
 from stepscope.traces.backend.store import TraceStore
 from tests.server_utils import Server
 
+pytestmark = pytest.mark.slow  # a traced TP=2 server
+
 MODEL = "tiny-llama"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"

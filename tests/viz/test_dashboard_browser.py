@@ -22,6 +22,8 @@ from stepscope.viz.simulator import simulate_step
 from tests.viz.conftest import free_port, wait_http
 from tests.viz.trace_factory import record_workload
 
+pytestmark = pytest.mark.slow  # Chromium, dashboard servers, a live collector
+
 TIMEOUT_MS = 30_000
 READOUTS = ("decode_tokens", "prefill_budget", "first_chunk", "num_chunks", "first_chunk_blocks")
 

@@ -18,6 +18,7 @@ SMALL = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_each_dtype_gets_its_roofline_tok_s_and_ratio() -> None:
     # Without --force-dtype: where this CPU emulates bfloat16 (AVX2 only), a bfloat16 run takes
     # many minutes; the benchmark then says so and runs float32 alone.
@@ -60,6 +61,7 @@ def test_unknown_dtype_is_refused_before_any_run() -> None:
         offline.bench_offline(args)
 
 
+@pytest.mark.slow
 def test_dp_sizes_run_side_by_side_with_throughput_and_ttft() -> None:
     out = subprocess.run(
         [*CLI, "bench", "offline", *SMALL, "--dp", "1,2", "--skip-transformers"],

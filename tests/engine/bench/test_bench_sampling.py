@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.server_utils import CLI
+
+pytestmark = pytest.mark.slow  # a traced server under sampled streams
 
 
 def test_bench_sampling_prints_the_ratio_from_the_trace(process_tree) -> None:

@@ -102,6 +102,7 @@ def offline_ratios(stdout: str) -> tuple[list[float], float]:
     return runs, float(over.group(1))
 
 
+@pytest.mark.slow
 def test_tracing_off_and_on_side_by_side_in_one_run(tmp_path, process_tree) -> None:
     """`--tracing off,on` starts a server per setting, replays the workload on each, and prints
     the ratio; the traced server's file holds its spans. `--compare-offline` runs the offline
@@ -127,6 +128,7 @@ def test_tracing_off_and_on_side_by_side_in_one_run(tmp_path, process_tree) -> N
     assert ratio is not None and float(ratio.group(1)) > 0, out.stdout
 
 
+@pytest.mark.slow
 def test_repeated_comparison_with_offline_alternates_and_empties_the_prefix_cache(
     server, process_tree
 ) -> None:

@@ -12,6 +12,8 @@ import pytest
 
 from tests.server_utils import CLI, Server
 
+pytestmark = pytest.mark.slow  # minutes of streams against a small-pool server
+
 MODEL = "tiny-llama"
 
 

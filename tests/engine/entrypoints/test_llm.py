@@ -228,6 +228,7 @@ def test_cpu_defaults_follow_the_documented_tier() -> None:
     assert resolve_attention_backend(None, torch.device("cpu")) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_triton_backend_gives_the_same_greedy_tokens_as_torch(block_size: int) -> None:
     # A 24-token budget forces prefill chunks and decodes to share kernel launches.

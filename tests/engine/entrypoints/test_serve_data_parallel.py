@@ -13,10 +13,13 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from stepscope.traces.backend.store import TraceStore
 from tests.process_tree import pid_alive, wait_pids_gone
 from tests.server_utils import Server
+
+pytestmark = pytest.mark.slow  # a DP=2 server, one rank killed
 
 MODEL = "tiny-llama"
 

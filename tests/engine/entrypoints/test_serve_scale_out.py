@@ -29,6 +29,8 @@ from stepscope.traces.backend.store import TraceStore
 from tests.process_tree import noticed_within, pid_alive, wait_pids_gone
 from tests.server_utils import CLI, Server, free_port
 
+pytestmark = pytest.mark.slow  # multi-process deployments, up to 17 processes each
+
 MODEL = "tiny-llama"
 SMALL = ["--model", MODEL, "--num-kv-blocks", "64", "--max-num-batched-tokens", "32"]
 SERVING_ROLES = {"api", "dp_coordinator", "engine_core", "worker"}

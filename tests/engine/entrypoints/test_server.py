@@ -391,6 +391,7 @@ def test_a_client_giving_up_on_a_non_streaming_request_aborts_it(server) -> None
     assert server.metric("stepscope:generation_tokens_total") - before < 480
 
 
+@pytest.mark.slow
 def test_openapi_describes_the_api_and_schemathesis_finds_no_5xx(process_tree) -> None:
     # Its own server, with a 64-token context: the OpenAPI description names the served model,
     # so the fuzzer's requests reach the engine, and each one it accepts stays short.
@@ -435,6 +436,7 @@ def test_openapi_describes_the_api_and_schemathesis_finds_no_5xx(process_tree) -
     assert "Missing test data" not in result.stdout  # it did reach the engine
 
 
+@pytest.mark.slow
 def test_waiting_queue_is_bounded_with_503_and_retry_after() -> None:
     s = Server("--model", MODEL, "--num-kv-blocks", "64", "--max-queued-requests", "2")
     try:
@@ -454,6 +456,7 @@ def test_waiting_queue_is_bounded_with_503_and_retry_after() -> None:
         s.stop()
 
 
+@pytest.mark.slow
 def test_health_turns_503_when_the_engine_dies_and_ctrl_c_leaves_no_process() -> None:
     s = Server("--model", MODEL, "--num-kv-blocks", "64", "--tp", "2")
     try:

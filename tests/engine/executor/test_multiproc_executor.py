@@ -118,7 +118,7 @@ def uni_tokens(model_dir: Path) -> dict[str, list[int]]:
     return generate(core)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_greedy_tokens_match_uniproc_executor(
     model_dir: Path, uni_tokens: dict[str, list[int]], tp: int
 ) -> None:
@@ -191,7 +191,7 @@ def _rank_logits_child(rank: int, world_size: int, dist_init: str, queue) -> Non
     queue.put((rank, *rank_logits(rank, world_size, dist_init)))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_rank_computes_identical_logits(tp: int) -> None:
     from stepscope.traces.process import free_port
 
@@ -334,6 +334,7 @@ PARENT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_workers_do_not_outlive_the_engine_process(tmp_path: Path, process_tree, how: str) -> None:
     script = tmp_path / "parent.py"

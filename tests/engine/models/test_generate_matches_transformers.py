@@ -9,6 +9,8 @@ import torch
 from stepscope.engine import LLM, SamplingParams
 from stepscope.engine.models.loader import resolve_model
 
+pytestmark = pytest.mark.slow  # SmolLM2 in transformers and in the engine, four times
+
 MAX_TOKENS = 32
 MIN_REFERENCE_TOKENS = 24
 

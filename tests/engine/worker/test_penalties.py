@@ -175,6 +175,7 @@ def plain_greedy(real_llm: LLM) -> list[list[int]]:
     return output_ids(real_llm, REAL_PROMPTS, greedy())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "penalty",
     [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 1.3}],
@@ -214,6 +215,7 @@ def repetition_references(real_llm: LLM) -> tuple[list[list[int]], list[list[int
     return prompts, references
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "engine_args",
     [
