@@ -27,7 +27,10 @@ TP2_PROMPTS: list[str | list[int]] = [*TP2_TEXT_PROMPTS, *TP2_TOKEN_PROMPTS]
 TP2_MAX_TOKENS = [12] * len(TP2_TEXT_PROMPTS) + [5] * len(TP2_TOKEN_PROMPTS)
 
 DP2_PROMPTS = [f"Prompt {i}: tell me about scheduling " * (1 + i % 3) for i in range(8)]
-DP2_MAX_TOKENS = 8
+# Long enough (about a second of decoding) that the DP coordinator, which publishes the latest
+# loads at most every 100 ms, publishes some while requests run, even when a loaded machine
+# starves it for a few hundred milliseconds (with 8 tokens it once saw only idle ranks).
+DP2_MAX_TOKENS = 32
 
 OFFLINE_PROMPTS = [
     "Hi",
