@@ -22,13 +22,17 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import msgspec
-import torch
 from msgspec import field
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# The dtypes stepscope runs, by torch's names. torch itself is imported where a device is asked
+# about: the processes that only carry a config (the DP coordinator, the CLI) never load it.
+DTYPES = ("float32", "float16", "bfloat16")
 # The CPU flags that make bfloat16 matmul native rather than emulated.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -51,6 +55,12 @@ def checkpoint_dtype(model_dir: str | Path) -> str:
     return str(name).removeprefix("torch.")
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def auto_dtype(
     checkpoint: str, device: str, flags: frozenset[str] | None = None
 ) -> tuple[str, str]:
@@ -62,6 +72,8 @@ def auto_dtype(
         # vLLM would cast a float32 checkpoint down to 16 bits on a GPU; here it stays exact.
         return "float32", "auto: the checkpoint is float32"
     if device.startswith("cuda"):
+        import torch
+
         if checkpoint == "bfloat16" and not torch.cuda.is_bf16_supported():
             return "float16", "auto: the checkpoint is bfloat16, which this GPU does not run"
         return checkpoint, f"auto: the checkpoint is {checkpoint} and this GPU runs it"
@@ -89,7 +101,9 @@ def device_tier_defaults(device: str, offline: bool) -> tuple[int, int]:
     per-step overhead, and offline runs favour throughput over inter-token latency with twice
     that.
     """
-    if device.startswith("cuda") and torch.cuda.is_available():
+    if device.startswith("cuda") and _cuda_available():
+        import torch
+
         props = torch.cuda.get_device_properties(torch.device(device))
         if props.total_memory / 2**30 >= 70 and "a100" not in props.name.lower():
             return (16384 if offline else 8192), 1024
@@ -129,11 +143,13 @@ class ModelConfig(_Part):
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             raise RuntimeError(
                 "dtype 'auto' is resolved against the checkpoint first (resolve_dtype)"
             )
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
 
 class CacheConfig(_Part):
@@ -371,7 +387,7 @@ def _validated(c: EngineConfig) -> EngineConfig:
                          c.observability_config)  # fmt: skip
     if not (m.device == "cpu" or m.device.startswith("cuda")):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {m.device!r}")
-    if m.device.startswith("cuda") and not torch.cuda.is_available():
+    if m.device.startswith("cuda") and not _cuda_available():
         raise ValueError(f"device {m.device!r} asked for, but CUDA is not available")
     if m.attention_backend == "cpu" and m.device.startswith("cuda"):
         raise ValueError("attention_backend 'cpu' runs on the CPU only: use 'triton'")

@@ -263,7 +263,7 @@ def bench_offline(args: argparse.Namespace) -> None:
     )
     flops = model_flops(cfg, workload)
     # A quick probe first: an emulated dtype's 2048^3 matmul alone would take minutes.
-    probe = {d: matmul_peak_gflops(DTYPES[d], n=512, reps=3) for d in {"float32", *dtypes}}
+    probe = {d: matmul_peak_gflops(getattr(torch, d), n=512, reps=3) for d in {"float32", *dtypes}}
     summary = []
     for dtype in dtypes:
         print(f"--- {dtype}")
@@ -277,7 +277,7 @@ def bench_offline(args: argparse.Namespace) -> None:
             )
             summary.append(f"{dtype}: skipped ({share:.2f}x float32's matmul rate)")
             continue
-        peak = matmul_peak_gflops(DTYPES[dtype])
+        peak = matmul_peak_gflops(getattr(torch, dtype))
         print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 {dtype})")
         tps_ss = _bench_stepscope(args, workload, flops, peak, dtype)
         mfu = flops * tps_ss / workload.num_output_tokens / 1e9 / peak
