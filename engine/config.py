@@ -307,7 +307,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return self.replace(parallel_config=p)
 
     def flat(self) -> dict[str, Any]:
-        """Every field by its flat name, as `create` takes them (and as a trace records)."""
+        """Every field by its flat name, as `create` takes them."""
         out: dict[str, Any] = {"offline": self.offline}
         for part in PARTS:
             out.update(msgspec.structs.asdict(getattr(self, part)))
@@ -401,11 +401,11 @@ def _validated(c: EngineConfig) -> EngineConfig:
     if fraction is not None and not 0 < fraction < 1:
         raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
     s = _scheduler_defaults(s, m, c.offline)
-    p = _checked_parallel(p)
+    _check_parallel(p)
     from stepscope.traces.setup import TraceSampling
 
     TraceSampling(o.trace_steps)  # raises ValueError on a malformed --trace-steps
-    return c.replace(scheduler_config=s, parallel_config=p)
+    return c.replace(scheduler_config=s)
 
 
 def _scheduler_defaults(s: SchedulerConfig, m: ModelConfig, offline: bool) -> SchedulerConfig:
@@ -441,7 +441,7 @@ def check_no_chunk_budget(s: SchedulerConfig, max_model_len: int | None) -> None
         )
 
 
-def _checked_parallel(p: ParallelConfig) -> ParallelConfig:
+def _check_parallel(p: ParallelConfig) -> None:
     if p.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {p.tensor_parallel_size}")
     if p.tensor_parallel_size > 1 and p.executor != "mp":
@@ -473,7 +473,6 @@ def _checked_parallel(p: ParallelConfig) -> ParallelConfig:
                 "one DP rank; to add DP ranks on other machines use --headless with "
                 "--data-parallel-size-local"
             )
-    return p
 
 
 def init_engine_process_tracing(

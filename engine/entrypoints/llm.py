@@ -275,7 +275,9 @@ class LLM:
                     with state.span.current():
                         frontend.sent_to(state, self.client.add_request(child))
             while frontend.output_processor.has_unfinished_requests():
-                processed = frontend.process_outputs(self.client.get_output().outputs)
+                processed = frontend.output_processor.process_outputs(
+                    self.client.get_output().outputs
+                )
                 if processed.reqs_to_abort:
                     self.client.abort_requests(processed.reqs_to_abort)
                 frontend.delivered(processed.request_outputs)

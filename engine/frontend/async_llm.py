@@ -144,7 +144,7 @@ class AsyncLLM:
             await self.client.abort_requests(running)
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
-        processed = self.frontend.process_outputs(outputs.outputs)
+        processed = self.frontend.output_processor.process_outputs(outputs.outputs)
         batches: dict[int, tuple[asyncio.Queue, list[RequestOutput]]] = {}
         for out in processed.request_outputs:
             flight = self.frontend.flight_of(out.request_id)

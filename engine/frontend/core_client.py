@@ -149,16 +149,17 @@ class MPClient:
     ) -> None:
         self.ctx = ctx
         self._dir: str | None = None
-        handles, client_index, output_addr = (
-            (attach.handles, attach.client_index, attach.output_addr) if attach else (None, 0, None)
-        )
-        if output_addr is None:
+        if attach is None:  # our own engine cores, answering at a socket of ours
             self._dir = tempfile.mkdtemp(prefix="stepscope-api-")
             output_addr = f"ipc://{self._dir}/out"
+        else:
+            output_addr = attach.output_addr
         self.output_sock = self.ctx.socket(zmq.PULL)
         self.output_sock.bind(output_addr)
         self.group: EngineGroup | None = None
-        if handles is None:
+        if attach is not None:
+            handles = attach.handles
+        else:
             assert model_dir is not None
             try:
                 self.group = EngineGroup(config, model_dir, endpoints, [output_addr])
@@ -170,7 +171,7 @@ class MPClient:
                 raise
             handles = self.group.handles()
         self.handles = handles
-        self.client_index = client_index
+        self.client_index = attach.client_index if attach else 0
         self.dp = config.parallel_config.data_parallel_size
         self.input_socks = [_connect(self.ctx, zmq.PUSH, a) for a in handles.input_addrs]
         self.loads_sock = None

@@ -4,9 +4,10 @@ tokenizer, the input and output processors, the engine-core client, and every re
 vLLM's `LLMEngine` and `AsyncLLM` each hold the same three parts (an input processor, an output
 processor, an engine-core client); here they are assembled once. A request in flight is one
 `InFlight`: its `ParentRequest` (n > 1 fans out into children), each child's `RequestState`
-(detokenizer, metrics, span, DP rank) and, for a stream, the queue its outputs go to. It is
-registered by `track` and dropped by `release`, which ends the children's spans; a finished
-child's span ends once its last output has been handed to the caller (`delivered`).
+(detokenizer, metrics, and the span that records its DP rank) and, for a stream, the queue its
+outputs go to. It is registered by `track` and dropped by `release`, which ends the children's
+spans; a finished child's span ends once its last output has been handed to the caller
+(`delivered`).
 """
 
 from __future__ import annotations
@@ -68,10 +69,6 @@ class Frontend:
         self.requests: dict[str, InFlight] = {}  # by parent request id
         self._of_child: dict[str, InFlight] = {}  # the same requests, by child request id
 
-    @property
-    def max_model_len(self) -> int:
-        return self.client.max_model_len
-
     # ---- requests -----------------------------------------------------------------------------
     def make_request(
         self,
@@ -100,8 +97,7 @@ class Frontend:
 
     @staticmethod
     def sent_to(state: RequestState, dp_rank: int) -> None:
-        """Record the DP rank the client sent a child to (on its state and its span)."""
-        state.dp_rank = dp_rank
+        """Record on a child's span the DP rank the client sent it to."""
         state.span.set_attribute(names.DP_RANK, dp_rank)
 
     def flight_of(self, child_id: str) -> InFlight | None:
@@ -135,7 +131,3 @@ class Frontend:
         for request_id in list(self.requests):
             running += self.release(request_id)
         return running
-
-    def process_outputs(self, outputs: Any) -> Any:
-        """One step's engine-core outputs through the output processor."""
-        return self.output_processor.process_outputs(outputs)

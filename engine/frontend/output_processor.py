@@ -44,7 +44,6 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    dp_rank: int | None = None  # the engine core it was sent to
 
 
 @dataclass(slots=True)
