@@ -25,11 +25,16 @@ class FieldError(ValueError):
         self.param = param
 
 
+# Temperatures below this sample as greedy (vLLM's `_SAMPLING_EPS`).
+SAMPLING_EPS = 1e-5
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop. A msgspec struct so it crosses processes as is.
 
-    temperature 0 means greedy. `seed` makes sampling reproducible per request, whatever else
-    is in the batch. `stop` strings are checked by the detokenizer; the rest by the scheduler.
+    temperature 0 (anything below SAMPLING_EPS) means greedy. `seed` makes sampling reproducible
+    per request, whatever else is in the batch. `stop` strings are checked by the detokenizer;
+    the rest by the scheduler.
     """
 
     n: int = 1
@@ -139,4 +144,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM's _SAMPLING_EPS: a temperature this small is greedy in all but float noise,
+        # and one below float32's range (1e-65) would divide the logits by zero.
+        return self.temperature < SAMPLING_EPS

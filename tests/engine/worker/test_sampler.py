@@ -189,3 +189,15 @@ def test_the_kernel_refuses_what_the_sampler_never_sends():
             ops.top_k_top_p(logits, **{**ok, field: bad})
     with pytest.raises(TypeError):
         ops.top_k_top_p(logits.double(), **ok)
+
+
+@BOTH_PATHS
+def test_a_temperature_below_float32s_range_samples_greedily(cpu_kernels):
+    # 4.3e-65 is > 0 as a Python float but 0 in a float32 tensor: the C kernel refused it and
+    # the worker died (found by schemathesis). Below SAMPLING_EPS a temperature is greedy.
+    tiny = SamplingParams(temperature=4.341518308979434e-65, top_k=130)
+    sampler = Sampler(torch.device("cpu"), seed=0, cpu_kernels=cpu_kernels)
+    logits = _logits(3, seed=5, spread=2.0)
+    params = [tiny, SamplingParams(temperature=0.8, top_k=130), tiny]
+    out = sampler(logits, params, [None] * 3, [[1]] * 3, [1] * 3)
+    assert [out.token_ids[i] for i in (0, 2)] == logits[[0, 2]].argmax(-1).tolist()
