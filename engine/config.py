@@ -174,6 +174,10 @@ class SchedulerConfig(_Part):
     """Sequences per step (default: the device tier's)."""
     enable_chunked_prefill: bool = True
     """Split a long prompt across steps, beside running decodes."""
+    async_scheduling: bool = False
+    """Schedule the next step, and process the last one's outputs, while the current step's
+    forward runs (vLLM's AsyncScheduler): the CPU work leaves the critical path; the tokens do not
+    change."""
 
 
 class ParallelConfig(_Part):

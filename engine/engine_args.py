@@ -68,17 +68,14 @@ def _add_flag(group: Any, part: type, f: msgspec.structs.FieldInfo, default: Any
     flag = "--" + f.name.replace("_", "-")
     base, choices = option_type(f.type)
     if base is bool:
-        # On by default: `--no-NAME` turns it off (vLLM's `--no-enable-prefix-caching`).
-        if default:
-            group.add_argument(
-                "--no-" + flag[2:],
-                dest=f.name,
-                action="store_false",
-                help=f"{help} On by default: this turns it off.",
-            )
-        else:
-            group.add_argument(flag, dest=f.name, action="store_true", help=help)
-        group.set_defaults(**{f.name: default})
+        # `--NAME` and `--no-NAME`, whatever the default (vLLM's `--no-enable-prefix-caching`).
+        group.add_argument(
+            flag,
+            dest=f.name,
+            action=argparse.BooleanOptionalAction,
+            default=default,
+            help=f"{help} Default: {'on' if default else 'off'}.",
+        )
         return
     group.add_argument(
         flag,

@@ -17,8 +17,8 @@ spans follow the step; a receiving process follows the sender's decision carried
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from types import MappingProxyType
 from typing import Any
 
@@ -94,6 +94,9 @@ class _Noop:
     def current(self) -> _Noop:
         return self
 
+    def attached(self) -> _Noop:
+        return self
+
 
 NOOP = _Noop()
 
@@ -126,6 +129,22 @@ class _Scope:
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.span.set_attribute(key, value)
+
+    @contextmanager
+    def attached(self) -> Iterator[Any]:
+        """Current for the block, and left open after it, for a later `with` on it to end (a
+        step that runs on while the engine core does other work). A block that raises ends it
+        at once, with the error: nothing would end it later."""
+        token = otel_context.attach(trace.set_span_in_context(self.span))
+        try:
+            yield self
+        except BaseException as exc:
+            self.span.record_exception(exc)
+            self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            self.end()
+            raise
+        finally:
+            otel_context.detach(token)
 
 
 class StepSpan(_Scope):

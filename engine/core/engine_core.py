@@ -1,4 +1,5 @@
-"""The engine core: schedule -> execute -> update, one step at a time (stages 3 to 8).
+"""The engine core: schedule -> execute -> update, one step at a time (stages 3 to 8), or with
+async scheduling two steps at a time (vLLM's `EngineCore.step_with_batch_queue`).
 
 In-process here (offline `LLM`); the busy loop and ZMQ sockets wrap this same object when the
 core runs in its own process.
@@ -11,7 +12,10 @@ import os
 import statistics
 import time
 from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from opentelemetry.trace import SpanContext
 
@@ -25,15 +29,39 @@ from stepscope.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ModelRunnerOutput,
     ProcessInfo,
+    SchedulerOutput,
 )
 from stepscope.engine.metrics import TOKENS_PER_STEP_BUCKETS, Histogram
 from stepscope.engine.models.loader import load_config
 from stepscope.traces import names
 from stepscope.traces.setup import dropped_spans, flush_tracing
-from stepscope.traces.spans import child_span, ended_child_span, request_link, step_span
+from stepscope.traces.spans import (
+    NOOP,
+    child_span,
+    ended_child_span,
+    request_link,
+    step_span,
+)
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A step scheduled and sent to the executor whose output has not been processed yet."""
+
+    scheduler_output: SchedulerOutput
+    runner_output: Future[ModelRunnerOutput]
+    span: Any  # the step's span (or NOOP), open until its update is done
+    execute: Any  # its `execute` child, open until the output is back
+
+
+def _done(output: ModelRunnerOutput) -> Future[ModelRunnerOutput]:
+    future: Future[ModelRunnerOutput] = Future()
+    future.set_result(output)
+    return future
 
 
 def make_executor(config: EngineConfig, model_dir: Path, endpoints: Endpoints) -> Executor:
@@ -115,6 +143,11 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
         )
+        # Steps sent to the executor and not yet updated from, newest first: at most one, or two
+        # with async scheduling (vLLM's batch queue, sized by `max_concurrent_batches`).
+        self.async_scheduling = sched.async_scheduling
+        self.batch_queue_size = 2 if sched.async_scheduling else 1
+        self.batch_queue: deque[_Batch] = deque()
         # Request span contexts, so that each step span links to the requests it served.
         self.request_links: dict[str, SpanContext] = {}
         # core -> worker -> core time per step, less the worker's own execute (mp executor only).
@@ -148,20 +181,46 @@ class EngineCore:
             self.request_links.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a step sent whose output is still to be processed."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
-        """One step: schedule -> execute -> update. A step that schedules nothing does not
-        happen: no executor call, no span (`last_step_ran` says which it was)."""
+        """Schedule a step and send it to the executor; then, once `batch_queue_size` steps
+        are out (or nothing more can be scheduled), wait for the oldest one's output and update
+        from it. With one step at a time that is schedule -> execute -> update. With async
+        scheduling the next step is scheduled, and this one's outputs processed, while the
+        workers run the step after it; the scheduler counts the tokens still in flight as
+        placeholders (vLLM: `AsyncScheduler`).
+
+        A step that schedules nothing does not happen: no executor call, no span;
+        `last_step_ran` says whether this call scheduled or updated anything."""
+        self.last_step_ran = False
+        queue = self.batch_queue
+        if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            batch = self._schedule()
+            if batch is not None:
+                queue.appendleft(batch)
+                self.last_step_ran = True
+                if len(queue) < self.batch_queue_size:
+                    return EngineCoreOutputs(outputs=[], timestamp=time.time())
+        if not queue:
+            return EngineCoreOutputs(outputs=[], timestamp=time.time())
+        self.last_step_ran = True
+        outputs = self._update(queue.pop())
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def _schedule(self) -> _Batch | None:
+        """Schedule a step and send it to the executor (without waiting, under async
+        scheduling), in its step span: open until `_update`, so that with async scheduling it
+        overlaps the step before it."""
         t0 = time.time_ns()
         scheduler_output = self.scheduler.schedule()
         t1 = time.time_ns()
-        self.last_step_ran = bool(
-            scheduler_output.total_num_scheduled_tokens or scheduler_output.preempted_req_ids
-        )
-        if not self.last_step_ran:
-            return EngineCoreOutputs(outputs=[], timestamp=time.time())
-        with step_span(step=scheduler_output.step, start_ns=t0) as span:
+        if not (scheduler_output.total_num_scheduled_tokens or scheduler_output.preempted_req_ids):
+            return None
+        span = step_span(step=scheduler_output.step, start_ns=t0)
+        execute = NOOP
+        with span.attached():
             ended_child_span(names.SCHEDULE, t0, t1)
             span.record(
                 self.scheduler.last_stats,
@@ -169,12 +228,23 @@ class EngineCore:
                 links=self.request_links,
                 kv_total_blocks=self.num_kv_blocks,
             )
-            with child_span(names.EXECUTE):
-                runner_output = self.executor.execute_model(scheduler_output)
+            execute = child_span(names.EXECUTE)
+            with execute.attached():
+                if self.async_scheduling:
+                    runner_output = self.executor.execute_model(scheduler_output, non_block=True)
+                else:
+                    runner_output = _done(self.executor.execute_model(scheduler_output))
+        return _Batch(scheduler_output, runner_output, span, execute)
+
+    def _update(self, batch: _Batch) -> list[EngineCoreOutput]:
+        """Wait for a step's output, then update the scheduler from it; ends the step's span."""
+        with batch.span:
+            with batch.execute:
+                runner_output = batch.runner_output.result()
             with child_span(names.UPDATE):
-                outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._observe_step(scheduler_output.total_num_scheduled_tokens, outputs)
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+                outputs = self.scheduler.update_from_output(batch.scheduler_output, runner_output)
+        self._observe_step(batch.scheduler_output.total_num_scheduled_tokens, outputs)
+        return outputs
 
     def _observe_step(self, num_tokens: int, outputs: list[EngineCoreOutput]) -> None:
         """Step statistics (tokens, crossing time); finished requests need no step link."""

@@ -1,7 +1,9 @@
 """A request as the engine core sees it: token ids, progress and status (stages 3 to 8).
 
 The scheduler tracks each request by two numbers: `num_computed_tokens` (tokens whose KV is in
-the cache) and `num_tokens` (prompt + generated). Each step adds tokens so the first catches up.
+the cache) and `num_tokens` (prompt + generated). Each step adds tokens so the first catches up;
+under async scheduling it catches up with `num_tokens + num_output_placeholders` (tokens sampled by
+steps still in flight).
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Tokens that steps already scheduled will sample but that have not come back yet: one while
+    # a sampling step runs, two for a moment under async scheduling, which schedules the next
+    # step before the last one's token is known (the worker feeds that token from its own sample).
+    num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     # Prompt tokens found in the prefix cache at first admission (-1 until admitted).
     num_cached_tokens: int = -1

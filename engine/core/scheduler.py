@@ -131,9 +131,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            n = min(n, self.max_model_len - request.num_computed_tokens)
-            if n <= 0:
+            n = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            n = min(n, budget, self.max_model_len - request.num_computed_tokens)
+            if n <= 0 or self._ends_in_flight(request):
                 i += 1
                 continue
             while (blocks := self.kv.allocate_slots(request, n)) is None:
@@ -192,8 +192,9 @@ class Scheduler:
         for request in scheduled_running + scheduled_new:
             n = num_scheduled[request.request_id]
             # A step that brings a request level with its known tokens, one at a time, is a
-            # decode; anything longer is (part of) a prefill or recompute.
-            if n == 1 and request.num_output_tokens > 0:
+            # decode (its last token may still be in flight); anything longer is (part of) a
+            # prefill or recompute.
+            if n == 1 and request.num_output_tokens + request.num_output_placeholders > 0:
                 num_decode += 1
             else:
                 num_prefill += n
@@ -252,10 +253,24 @@ class Scheduler:
         )
         self.finished_req_ids.clear()
         self.step_index += 1
-        # Progress is booked when scheduled, so the next schedule() sees these tokens as computed.
+        # Progress is booked when scheduled, so the next schedule() sees these tokens as computed;
+        # a step that reaches the request's last token samples the next one: a placeholder until
+        # its token comes back, which lets async scheduling schedule the step after it at once.
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         return output
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Async scheduling: the tokens still in flight take the request to `max_tokens` or to the
+        context's end, so a step scheduled now would only compute a token to throw away."""
+        pending = request.num_output_placeholders
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        )
 
     def _preempt(self, request: Request, now: float) -> None:
         """Recompute preemption: free the blocks, forget progress, go to the head of waiting."""
@@ -282,7 +297,10 @@ class Scheduler:
         ):
             request = self.requests.get(req_id)
             if request is None or not sampled:
-                continue  # finished meanwhile (abort), or mid-prefill
+                # Mid-prefill; or finished meanwhile: aborted, or (async scheduling) stopped by
+                # the step before this one, whose extra token is thrown away here.
+                continue
+            request.num_output_placeholders -= len(sampled)
             new_tokens: list[int] = []
             for token in sampled:
                 request.append_output_token(token)
@@ -302,7 +320,9 @@ class Scheduler:
             finish_reason = None
             stop_reason = None
             if status is not None:
-                self.running.remove(request)
+                # Preempted while this step ran (async scheduling), it waits to be recomputed.
+                queue = self.waiting if request.status == RequestStatus.PREEMPTED else self.running
+                queue.remove(request)
                 self._finish(request, status)
                 finish_reason = request.finish_reason
                 stop_reason = token if token in request.sampling_params.stop_token_ids else None

@@ -1,13 +1,16 @@
 """The executor interface: how the engine core reaches its workers (core -> worker -> core).
 
 Two implementations: `UniProcExecutor` (uniproc_executor.py) and `MultiprocExecutor`
-(multiproc_executor.py).
+(multiproc_executor.py). Both run steps in the order they were sent, which async scheduling
+relies on: a step sent before the last one's output is back finds that output's tokens in the
+worker (vLLM: `Executor.execute_model(..., non_block=True)`).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
@@ -30,8 +33,11 @@ class Executor(ABC):
         """Allocate the KV pool on every worker."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; one rank's output comes back."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step on every worker; one rank's output comes back. `non_block`: return at
+        once with the output's Future, the step running after the steps sent before it."""
 
     def shutdown(self) -> None:  # noqa: B027 - an in-process worker has nothing to stop
         """Stop the workers."""
@@ -48,12 +54,16 @@ class Executor(ABC):
         """Each worker rank's configuration, as it arrived in its process."""
 
     def receive_output(
-        self, decode, payload: bytes, step: int, sent_at: float, worker_seconds: float
+        self, decode, payload: bytes, step: int, sent_at: float | None, worker_seconds: float
     ) -> ModelRunnerOutput:
         """Rank 0's step output, crossing back from its worker (a traced receive); the step's
-        crossing time is what passed since `sent_at` less the worker's own `worker_seconds`."""
+        crossing time is what passed since `sent_at` less the worker's own `worker_seconds`.
+        No `sent_at` (a step sent while another ran, whose output may wait to be read): the
+        crossing cannot be told from the waiting, and is not measured."""
         output = traced_receive(crossing.WORKER_TO_ENGINE_CORE, decode, payload, step=step)
-        self.last_crossing_seconds = time.perf_counter() - sent_at - worker_seconds
+        self.last_crossing_seconds = (
+            None if sent_at is None else time.perf_counter() - sent_at - worker_seconds
+        )
         return output
 
     def flush_traces(self) -> None:

@@ -36,7 +36,14 @@ no step is sent before every SUB socket can receive it.
 
 `last_crossing_seconds` is the last step's core -> worker -> core time without the forward: the
 round trip less rank 0's time inside `execute_model` (so encoding, both socket hops, decoding and
-the process wake-ups count; waiting on a peer's all-reduce counts as forward).
+the process wake-ups count; waiting on a peer's all-reduce counts as forward). Not measured for a
+step sent with `non_block`, whose round trip also holds the wait behind the step before it.
+
+Async scheduling: `execute_model(..., non_block=True)` sends the step and returns a Future of its
+output at once; the workers queue it behind the step they run (their SUB socket keeps the order).
+Rank 0's outputs come back in the order sent, so the Future that is asked reads the reply socket
+until its own output is there (vLLM: `FutureWrapper`), handing any earlier one to its own Future;
+an output that arrives while a utility call waits for its results is handed on the same way.
 
 Failure is explicit: the core waits for replies with zmq.Poller on the PULL socket and on every
 worker's process sentinel, so a worker that dies makes the waiting call raise RuntimeError at
@@ -53,6 +60,8 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections import deque
+from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -123,6 +132,19 @@ class _WorkerGroup:
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
+class _StepOutput(Future):
+    """Rank 0's output of one step sent with `non_block`, read off the reply socket when asked
+    for: outputs come back in the order the steps were sent."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        self._executor._wait_for(self)
+        return super().result(timeout)
+
+
 class MultiprocExecutor(Executor):
     def __init__(
         self, config: EngineConfig, model_dir: Path, endpoints: Endpoints | None = None
@@ -137,6 +159,9 @@ class MultiprocExecutor(Executor):
         self._failure: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        # Steps sent whose output has not been read yet, oldest first: (step, sent at, Future);
+        # sent at is None for a step sent with non_block.
+        self._in_flight: deque[tuple[int, float | None, Future[ModelRunnerOutput]]] = deque()
         tmp_dir = tempfile.mkdtemp(prefix="stepscope-executor-")
         self.addresses = worker_addresses(config, tmp_dir)
         # This machine's ranks (node 0 of `nnodes`); the others start with `serve --headless`.
@@ -224,21 +249,20 @@ class MultiprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("init_kv_cache", num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         self._check_usable()
-        start = time.perf_counter()
+        sent_at = time.perf_counter()
         traced_send(
             crossing.ENGINE_CORE_TO_WORKER,
             self._encoder.encode,
             scheduler_output,
             send=self._broadcast_step,
         )
-        kind, rank, worker_seconds, payload = self._recv()
-        if kind != WorkerReplyKind.OUTPUT:
-            self._fail(f"expected a step output from rank 0, got {kind!r} from rank {rank}")
-        return self.receive_output(
-            self._output_decoder.decode, payload, scheduler_output.step, start, worker_seconds
-        )
+        output = _StepOutput(self)
+        self._in_flight.append((scheduler_output.step, None if non_block else sent_at, output))
+        return output if non_block else output.result()
 
     def worker_configs(self) -> list[EngineConfig]:
         return [msgspec.convert(c, EngineConfig) for c in self.collective_rpc("get_config")]
@@ -300,11 +324,19 @@ class MultiprocExecutor(Executor):
 
     def _read_reply(self, starting: bool = False) -> Reply | None:
         """One message off the reply socket (one is there): a worker machine's heartbeat is
-        noted (None), a worker's error raises (`starting`: as a start-up failure)."""
+        noted and a step's output handed to its Future (None for both), a worker's error raises
+        (`starting`: as a start-up failure)."""
         kind, header, payload = self._group.results.recv_multipart()
         rank, seconds = msgspec.msgpack.decode(header)
         if kind == WorkerReplyKind.HEARTBEAT:
             self._node_beats[rank] = time.monotonic()
+            return None
+        if kind == WorkerReplyKind.OUTPUT and not starting:
+            if not self._in_flight:
+                self._fail(f"rank {rank} sent a step output, but no step is running")
+            step, sent_at, output = self._in_flight.popleft()
+            decode = self._output_decoder.decode
+            output.set_result(self.receive_output(decode, payload, step, sent_at, seconds))
             return None
         if kind == WorkerReplyKind.ERROR:
             text = payload.decode(errors="replace")
@@ -316,15 +348,28 @@ class MultiprocExecutor(Executor):
         return kind, rank, seconds, payload
 
     def _recv(self) -> Reply:
-        """Next reply from any rank; a worker error or death raises instead of hanging."""
+        """Next reply from any rank other than a step output (that goes to its Future) or a
+        heartbeat; a worker error or death raises instead of hanging."""
+        while (reply := self._next_reply()) is None:
+            pass
+        return reply
+
+    def _wait_for(self, output: Future[ModelRunnerOutput]) -> None:
+        """Read replies until this step's output is in."""
+        while not output.done():
+            self._check_usable()
+            if (reply := self._next_reply()) is not None:
+                kind, rank, _, _ = reply
+                self._fail(f"expected a step output from rank 0, got {kind!r} from rank {rank}")
+
+    def _next_reply(self) -> Reply | None:
+        """Wait for one message on the reply socket and read it (`_read_reply`)."""
         g = self._group
         while True:
             events = dict(self._poller.poll(int(EXECUTOR_POLL_S * 1000)))
             self._check_nodes()
             if g.results in events:
-                if (reply := self._read_reply()) is not None:
-                    return reply
-                continue
+                return self._read_reply()
             for rank, p in enumerate(g.procs):
                 if p.sentinel in events or p.exitcode is not None:
                     # The sentinel fires as the process closes its files, a moment before the

@@ -21,6 +21,11 @@ back everyone behind it). Steps not traced (`--trace-steps every:N`) leave `unkn
 Interference is estimated by each step's own token mix: a step that ran T tokens, o of them
 other requests', spent o/T of its time on them. On a CPU every token costs about the same in the
 linear layers, which dominate; attention makes a long prefill's tokens somewhat dearer.
+
+Steps may overlap: with async scheduling a step starts (is scheduled) while the step before it
+still runs. The parts above come from the request's own events and add up all the same; what is
+summed over steps (interference, a step's time in the summary) takes each step's own time, from
+the end of the step before it (`queries.STEPS_WITH_OWN_TIME`), so that no moment counts twice.
 """
 
 from __future__ import annotations
@@ -31,7 +36,13 @@ from typing import Any
 import pandas as pd
 
 from stepscope.traces import names as n
-from stepscope.traces.backend.queries import STEP_JOIN, _records, _request_row, df
+from stepscope.traces.backend.queries import (
+    STEP_JOIN,
+    STEPS_WITH_OWN_TIME,
+    _records,
+    _request_row,
+    df,
+)
 from stepscope.traces.backend.source import Queryable
 from stepscope.traces.backend.views import dp_rank_sql
 
@@ -60,10 +71,10 @@ WITH counts AS (
     FROM step_requests WHERE dp_rank = $2 AND end_ns >= $3 AND start_ns <= $4
     GROUP BY dp_rank, step, start_ns
 )
-SELECT s.step, s.start_ns, s.end_ns, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens,
+SELECT s.step, s.start_ns, s.end_ns, s.own_s, s.num_prefill_tokens, s.num_decode_tokens,
        s.waiting_reason, s.kv_blocks_short, s.token_budget,
        coalesce(sr.num_requests, 0) AS num_requests, coalesce(sr.own_tokens, 0) AS own_tokens
-FROM steps s LEFT JOIN counts sr ON {STEP_JOIN}
+FROM ({STEPS_WITH_OWN_TIME}) s LEFT JOIN counts sr ON {STEP_JOIN}
 WHERE s.dp_rank = $2 AND s.end_ns >= $3 AND s.start_ns <= $4
 ORDER BY s.start_ns
 """
@@ -105,7 +116,7 @@ def explain(source: Queryable, request_id: str | None = None) -> dict[str, Any]:
         "e2e_s": (t1 - t0) / 1e9,
         "parts": parts,
         "queue_reasons": _queue_reasons(steps, queued, scheduled),
-        "shared": _shared(served, first),
+        "shared": _shared(served, first, input_tokens - cached),
         "preemptions": int(request["num_preemptions"] or 0),
         "recomputed_tokens": max(int(served["own_tokens"].sum()) - expected, 0)
         if len(served)
@@ -244,16 +255,20 @@ def _queue_reasons(steps: pd.DataFrame, queued: int, scheduled: int) -> dict[str
     return reasons
 
 
-def _shared(served: pd.DataFrame, first_token: int) -> dict[str, Any]:
+def _shared(served: pd.DataFrame, first_token: int, prompt_tokens: int) -> dict[str, Any]:
     """The steps that ran the request: its tokens, the other requests' tokens, and the share of
-    those steps' time that went to the others (by each step's token mix)."""
+    those steps' own time that went to the others (by each step's token mix).
+
+    A one-token step is a decode once the prompt's `prompt_tokens` (less prefix hits) have run:
+    it started after the first token, or (async scheduling) was scheduled while the step that
+    would sample it still ran."""
     own = other_prefill = other_decode = 0
     decode_steps = prefill_steps = 0
     interference = 0.0
     others: list[int] = []
     for row in served.itertuples():
         mine = int(row.own_tokens)
-        is_decode = mine == 1 and row.start_ns >= first_token
+        is_decode = mine == 1 and (row.start_ns >= first_token or own >= prompt_tokens)
         decode_steps += is_decode
         prefill_steps += not is_decode
         total = int(row.num_prefill_tokens) + int(row.num_decode_tokens)
@@ -263,7 +278,7 @@ def _shared(served: pd.DataFrame, first_token: int) -> dict[str, Any]:
         other_prefill += max(prefill_others, 0)
         other_decode += max(decode_others, 0)
         if total:
-            interference += row.duration_s * max(total - mine, 0) / total
+            interference += row.own_s * max(total - mine, 0) / total
         others.append(int(row.num_requests) - 1)
     return {
         "steps": len(served),
@@ -292,7 +307,7 @@ def _plural(count: int, word: str) -> str:
 
 
 def _step_words(step: Any) -> str:
-    """What a step ran: 'step 0, which ran 2 prefills (62 tokens) in 285 ms'."""
+    """What a step ran: 'step 0, which ran 62 prefill tokens in 285 ms' (its own time)."""
     work = []
     if step.num_prefill_tokens:
         work.append(f"{int(step.num_prefill_tokens)} prefill tokens")
@@ -300,7 +315,7 @@ def _step_words(step: Any) -> str:
         work.append(_plural(int(step.num_decode_tokens), "decode"))
     ran = " and ".join(work) or "no tokens"
     cold = " (the engine's first step)" if step.step == 0 else ""
-    return f"step {int(step.step)}{cold}, which ran {ran} in {_ms(step.duration_s)}"
+    return f"step {int(step.step)}{cold}, which ran {ran} in {_ms(step.own_s)}"
 
 
 def _part_sentence(

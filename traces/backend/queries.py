@@ -49,12 +49,24 @@ class RequestPath:
 # Step indexes count per data-parallel rank: a step is (dp_rank, step), never the index alone.
 STEP_JOIN = "s.dp_rank = sr.dp_rank AND s.step = sr.step AND s.start_ns = sr.start_ns"
 
+# The `steps` view plus each step's own time, `own_s`: from its start, or from the end of the
+# latest earlier step of its rank where that is later, to its end. Under async scheduling a step
+# starts (is scheduled) while the one before it runs, so step spans overlap and their durations
+# count that time twice; own times never count a moment twice, and a step that overlaps no other
+# has its duration as its own time.
+STEPS_WITH_OWN_TIME = """
+SELECT *, greatest(0, end_ns - greatest(start_ns, coalesce(max(end_ns) OVER (
+           PARTITION BY dp_rank ORDER BY start_ns
+           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), start_ns))) / 1e9 AS own_s
+FROM steps
+"""
+
 _REQUEST_STEPS = f"""
-SELECT sr.step, sr.num_tokens, s.duration_s, s.num_running, s.num_waiting,
+SELECT sr.step, sr.num_tokens, s.duration_s, s.own_s, s.num_running, s.num_waiting,
        s.num_decode_tokens, s.num_prefill_tokens, s.token_budget, s.kv_free_before,
        s.kv_free_after, s.num_preempted, sr.start_ns, sr.end_ns, s.trace_id, s.span_id,
        sr.dp_rank
-FROM step_requests sr JOIN steps s ON {STEP_JOIN}
+FROM step_requests sr JOIN ({STEPS_WITH_OWN_TIME}) s ON {STEP_JOIN}
 WHERE sr.request_id = $1
 ORDER BY sr.start_ns
 """
@@ -106,7 +118,8 @@ def request_timings(source: Queryable, request_id: str) -> dict[str, Any]:
     """Queue time, TTFT, end-to-end time and the steps that served one request.
 
     A step that scheduled more than one token for the request counts as a prefill step (a chunk,
-    or a recompute after preemption); a one-token step as a decode step.
+    or a recompute after preemption); a one-token step as a decode step. `step_time_s` sums those
+    steps' own times (`STEPS_WITH_OWN_TIME`), which overlapping steps do not count twice.
     """
     request = _request_row(source, request_id)
     steps = df(source, _REQUEST_STEPS, [request_id])
@@ -128,7 +141,7 @@ def request_timings(source: Queryable, request_id: str) -> dict[str, Any]:
         "scheduled_tokens": int(steps["num_tokens"].sum()) if len(steps) else 0,
         "first_step": int(steps["step"].iloc[0]) if len(steps) else None,
         "last_step": int(steps["step"].iloc[-1]) if len(steps) else None,
-        "step_time_s": float(steps["duration_s"].sum()) if len(steps) else 0.0,
+        "step_time_s": float(steps["own_s"].sum()) if len(steps) else 0.0,
     }
 
 
