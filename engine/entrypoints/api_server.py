@@ -280,6 +280,8 @@ async def models(request: Request) -> dict:
                 "max_model_len": s.engine.max_model_len,
                 "dtype": config.model_config.dtype,
                 "dtype_reason": config.model_config.dtype_reason,
+                "quantization": config.model_config.quantization,
+                "weight_format": config.model_config.weight_format,
                 "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
                 "max_num_seqs": config.scheduler_config.max_num_seqs,
             }

@@ -87,8 +87,8 @@ class LLM:
             InprocClient if in_process else partial(SyncMPClient, endpoints=self.endpoints),
         )
         self.config = self.frontend.config
-        logger.info("dtype %s (%s)", self.config.model_config.dtype,
-                    self.config.model_config.dtype_reason)  # fmt: skip
+        m = self.config.model_config
+        logger.info("weights %s; dtype %s (%s)", m.weight_format, m.dtype, m.dtype_reason)
         self.client: InprocClient | SyncMPClient = self.frontend.client
         self.tokenizer = self.frontend.tokenizer
         self.processor = self.frontend.processor

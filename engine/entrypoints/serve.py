@@ -47,7 +47,7 @@ def serve(args: argparse.Namespace) -> None:
     from stepscope.engine.engine_args import engine_config_from_args
     from stepscope.engine.entrypoints import launcher
     from stepscope.engine.models.config import read_model_shape
-    from stepscope.engine.models.loader import resolve_model
+    from stepscope.engine.models.loader import resolve_config, resolve_model
 
     # The configuration, built and validated once before anything starts (a typo fails fast
     # and clearly), and sent whole to every process.
@@ -57,10 +57,11 @@ def serve(args: argparse.Namespace) -> None:
     model_dir = resolve_model(config.model_config.model)
     # A checkpoint it cannot run is refused.
     read_model_shape(model_dir, config.parallel_config.tensor_parallel_size)
-    # dtype="auto" is decided once, here, so that every process runs the same dtype.
-    config = config.resolve_dtype(model_dir)
-    print(f"stepscope: dtype {config.model_config.dtype} ({config.model_config.dtype_reason})",
-          flush=True)  # fmt: skip
+    # dtype and quantization "auto" are decided once, here, so that every process runs the
+    # same weights in the same dtype.
+    config = resolve_config(config, model_dir)
+    m = config.model_config
+    print(f"stepscope: weights {m.weight_format}; dtype {m.dtype} ({m.dtype_reason})", flush=True)
     if args.headless:
         launcher.run_headless(args, config)
         return

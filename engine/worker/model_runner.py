@@ -17,7 +17,7 @@ from stepscope.engine.layers.attention import AttentionMetadata, SeqInfo, make_a
 from stepscope.engine.messages import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from stepscope.engine.models.config import read_model_shape
 from stepscope.engine.models.llama import LlamaModel
-from stepscope.engine.models.loader import load_weights
+from stepscope.engine.models.loader import load_weights, resolve_config
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.engine.worker.sampler import Sampler
 from stepscope.traces import names
@@ -91,15 +91,15 @@ class ModelRunner:
         tp_size: int = 1,
         all_reduce=None,
     ) -> None:
-        # A no-op where the front end resolved dtype "auto" already.
-        self.config = config = config.resolve_dtype(model_dir)
+        # A no-op where the front end resolved "auto" already.
+        self.config = config = resolve_config(config, model_dir)
         m = config.model_config
         self.device = torch.device(m.device)
         self.dtype = m.torch_dtype
         self.block_size = config.cache_config.block_size
         self.shape = read_model_shape(model_dir)
         self.attn = make_attention_backend(m.attention_backend, self.block_size, self.device)
-        weights = load_weights(model_dir)
+        weights = load_weights(model_dir, m.quantization)
         self.model = LlamaModel(
             self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce
         )

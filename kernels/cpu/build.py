@@ -48,6 +48,7 @@ COMMON = [
 SOURCES = {
     "attention.c": ["-ffp-contract=fast", "-fno-trapping-math"],
     "prefill_attention.c": ["-ffp-contract=fast", "-fno-trapping-math"],
+    "qlinear.c": ["-ffp-contract=fast", "-fno-trapping-math"],
     "norm.c": ["-ffp-contract=off"],
     "rotary.c": ["-ffp-contract=off"],
     "sampling.c": ["-ffp-contract=off", "-fno-trapping-math"],
@@ -59,7 +60,7 @@ class KernelBuildError(RuntimeError):
 
 
 # kernels.h's C types as ctypes passes them: pointers as addresses, values by their width.
-_POINTEES = ("float", "uint16_t", "int32_t", "int64_t")
+_POINTEES = ("float", "uint16_t", "uint8_t", "int32_t", "int64_t")
 _VALUES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
 _PROTOTYPE = re.compile(r"\s*(\w+)\s+(\w+)\s*\(([^()]*)\)\s*")
 _PARAMETER = re.compile(r"\s*(?:const\s+)?(\w+)(?:\s*(\*)\s*|\s+)(\w+)\s*")
@@ -199,7 +200,10 @@ def compile_library(sources: Path, out_dir: Path, extra_flags: Sequence[str] = (
         objects.append(str(obj))
     lib = out_dir / "lib.so"
     # --no-undefined: a missing symbol fails here, with the compiler's message, not at load.
-    _run([cc, "-shared", "-fopenmp", "-Wl,--no-undefined", *objects, "-o", str(lib)], "linking")
+    _run(
+        [cc, "-shared", "-fopenmp", "-Wl,--no-undefined", *objects, "-lm", "-o", str(lib)],
+        "linking",
+    )
     return lib
 
 

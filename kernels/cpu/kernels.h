@@ -2,8 +2,8 @@
  * written. Each .c file includes it, so the compiler checks each definition against it
  * (-Werror=missing-prototypes: nothing is exported that is not here), and build.py reads it
  * for the ctypes signatures and the parameter names ops.py calls by. So it stays plain: one
- * prototype per statement, pointers to float, uint16_t (bfloat16, as its bits), int32_t or
- * int64_t, and int64_t, float or int values. Every kernel returns 0, or a code for arguments
+ * prototype per statement, pointers to float, uint16_t (bfloat16, as its bits), uint8_t,
+ * int32_t or int64_t, and int64_t, float or int values. Every kernel returns 0, or a code for arguments
  * it refuses. Layouts are described in each kernel's file. */
 #ifndef STEPSCOPE_CPU_KERNELS_H
 #define STEPSCOPE_CPU_KERNELS_H
@@ -46,6 +46,16 @@ int rms_norm_f32(const float *x, const float *residual, const float *weight, flo
 int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, float eps,
                   uint16_t *out, uint16_t *sum_out, int64_t rows, int64_t hidden,
                   int64_t num_threads);
+
+/* qlinear.c */
+/* Writes which path this build compiled into *paths: 1, AVX512-VNNI integer dot products. */
+int qlinear_paths(int64_t *paths);
+int qlinear_f32(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
+                const float *mins, int64_t n, int64_t bits, int64_t block, float *out,
+                int64_t num_threads);
+int qlinear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
+                 const float *mins, int64_t n, int64_t bits, int64_t block, uint16_t *out,
+                 int64_t num_threads);
 
 /* rotary.c */
 int rotary_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,

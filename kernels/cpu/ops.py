@@ -180,6 +180,69 @@ def prefill_attention_reference(q, k_cache, v_cache, block_table, context_len: i
     return out[0].transpose(0, 1).to(q.dtype)
 
 
+# ---- quantized linear -------------------------------------------------------------------------
+def qlinear_paths(library: dict | None = None) -> set[str]:
+    """ "avx512_vnni" where the quantized products were compiled with integer dot products;
+    none: portable loops."""
+    paths = ctypes.c_int64()
+    (library or load())["qlinear_paths"].call(paths=ctypes.addressof(paths))
+    return {"avx512_vnni"} if paths.value & 1 else set()
+
+
+def qlinear(
+    x: torch.Tensor,  # [..., in_features] float32 or bfloat16
+    qs: torch.Tensor,  # [out_features, in_features * bits / 8] uint8
+    scales: torch.Tensor,  # [out_features, in_features / block] float32
+    mins: torch.Tensor,  # [out_features, in_features / block] float32
+    bits: int,
+    block: int,
+    library: dict | None = None,
+) -> torch.Tensor:  # [..., out_features], x's dtype
+    """x @ W.T with W = scales * u + mins per block (engine/layers/quantization.py), the
+    activations quantized to int8 per block inside the kernel (qlinear.c)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    _check(rows)
+    _check(qs, dtype=torch.uint8)
+    _check(scales, mins, dtype=torch.float32)
+    n = qs.shape[0]
+    if qs.shape[1] * 8 != k * bits or scales.shape != (n, k // block) or mins.shape != scales.shape:
+        raise ValueError(
+            f"weights of {n} rows do not take {k} features in {bits}-bit blocks of {block}: "
+            f"qs {tuple(qs.shape)}, scales {tuple(scales.shape)}"
+        )
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    status = _kernel("qlinear", x.dtype, library)(
+        x=rows.data_ptr(), m=rows.shape[0], k=k, qs=qs.data_ptr(), scales=scales.data_ptr(),
+        mins=mins.data_ptr(), n=n, bits=bits, block=block, out=out.data_ptr(),
+        num_threads=torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"qlinear refused its arguments (code {status}): in_features a multiple "
+                         "of 32; 4-bit blocks of 32, or 8-bit blocks of 16 or 32")  # fmt: skip
+    return out
+
+
+def qlinear_reference(x, qs, scales, mins, bits: int, block: int):
+    """The same product in float32 torch, activations quantized per block as the kernel does."""
+    k = x.shape[-1]
+    n = qs.shape[0]
+    if bits == 4:
+        q = qs.view(n, k // 32, 16)
+        u = torch.cat([q & 0x0F, q >> 4], dim=-1).reshape(n, k)
+    else:
+        u = qs
+    xb = x.reshape(-1, k // block, block).float()
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    qx = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    dots = torch.einsum("tbj,rbj->trb", qx, u.view(n, k // block, block).float())
+    y = (dots * d.squeeze(-1)[:, None, :] * scales[None]).sum(-1)
+    y = y + torch.einsum("tb,rb->tr", xb.sum(-1), mins)
+    return y.reshape(*x.shape[:-1], n).to(x.dtype)
+
+
 # ---- RMSNorm ----------------------------------------------------------------------------------
 def rms_norm(
     x: torch.Tensor,  # [rows, hidden]

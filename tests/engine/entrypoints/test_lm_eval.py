@@ -91,20 +91,30 @@ def test_lm_eval_loglikelihoods_through_stepscope_equal_transformers(tmp_path, p
     reference = start_lm_eval(
         process_tree, tmp_path, "hf", "hf", f"pretrained={weights},dtype=float32"
     )
-    server = Server("--model", DEFAULT_MODEL, "--dtype", "float32", "--no-trace")
-    try:
-        ours, our_acc = finish(
-            *start_lm_eval(
-                process_tree, tmp_path, "stepscope", "local-completions",
-                f"model={DEFAULT_MODEL},base_url={server.url}/v1/completions,"
-                "tokenizer_backend=remote,max_length=2048",
-            )
-        )  # fmt: skip
-    finally:
-        server.stop()
+    ours, our_acc = run_through_server(process_tree, tmp_path, "--quantization", "none")
     theirs, their_acc = finish(*reference)
     assert sorted(ours) == sorted(theirs) == list(range(24))
     worst = max(abs(a - b) for d in ours for a, b in zip(ours[d], theirs[d], strict=True))
     assert worst < 1e-3, worst
     assert our_acc == their_acc
     assert our_acc > 0.5  # 24 questions of 4 choices: far above chance for SmolLM2
+    # The GGUF's own blocks (the default): within a point of the dequantized weights, which on
+    # 24 questions means the same answers' count.
+    _, quantized_acc = run_through_server(process_tree, tmp_path, "--quantization", "gguf")
+    assert abs(quantized_acc - our_acc) <= 0.01, (quantized_acc, our_acc)
+
+
+def run_through_server(process_tree, tmp_path: Path, *flags: str):
+    """lm_eval against `stepscope serve` on the default model in float32 with `flags`."""
+    server = Server("--model", DEFAULT_MODEL, "--dtype", "float32", "--no-trace", *flags)
+    name = "stepscope" + "".join(flags).replace("-", "_")
+    try:
+        return finish(
+            *start_lm_eval(
+                process_tree, tmp_path, name, "local-completions",
+                f"model={DEFAULT_MODEL},base_url={server.url}/v1/completions,"
+                "tokenizer_backend=remote,max_length=2048",
+            )
+        )  # fmt: skip
+    finally:
+        server.stop()

@@ -75,7 +75,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 )
 def test_greedy_tokens_equal_transformers(prompts_and_references, engine_args) -> None:
     prompts, references = prompts_and_references
-    llm = LLM(num_kv_blocks=512, dtype="float32", **engine_args)
+    llm = LLM(num_kv_blocks=512, dtype="float32", quantization=None, **engine_args)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == references
     if "max_num_batched_tokens" in engine_args:
@@ -85,7 +85,7 @@ def test_greedy_tokens_equal_transformers(prompts_and_references, engine_args) -
 def test_greedy_tokens_equal_transformers_under_preemption(prompts_and_references) -> None:
     prompts, references = prompts_and_references
     # 60 blocks of 16 tokens: enough for the longest request alone, far too few for all at once.
-    llm = LLM(num_kv_blocks=60, dtype="float32")
+    llm = LLM(num_kv_blocks=60, dtype="float32", quantization=None)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == references
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
@@ -94,7 +94,7 @@ def test_greedy_tokens_equal_transformers_under_preemption(prompts_and_reference
 
 def test_greedy_tokens_equal_transformers_on_prefix_cache_hits(prompts_and_references) -> None:
     prompts, references = prompts_and_references
-    llm = LLM(num_kv_blocks=512, dtype="float32")
+    llm = LLM(num_kv_blocks=512, dtype="float32", quantization=None)
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in second] == references

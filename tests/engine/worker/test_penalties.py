@@ -167,7 +167,7 @@ def num_repeats(ids: list[int]) -> int:
 
 @pytest.fixture(scope="module")
 def real_llm() -> LLM:
-    return LLM(model=REAL_MODEL, num_kv_blocks=64, dtype="float32")
+    return LLM(model=REAL_MODEL, num_kv_blocks=64, dtype="float32", quantization=None)
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,10 @@ def test_penalized_tokens_equal_references_under_chunking_and_preemption(
     only output tokens, so a recomputed request must not take its output for prompt) against
     one batch of a roomy engine."""
     prompts, references = repetition_references
-    llm = real_llm if engine_args is None else LLM(model=REAL_MODEL, dtype="float32", **engine_args)
+    if engine_args is None:
+        llm = real_llm
+    else:
+        llm = LLM(model=REAL_MODEL, dtype="float32", quantization=None, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=REPETITION_PENALTY)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == references
