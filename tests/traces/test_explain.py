@@ -136,3 +136,24 @@ def test_a_short_request_behind_a_long_chunked_prefill_waits_for_it(tmp_path) ->
     missing = subprocess.run([*CLI, "trace", "explain", db, "nope"], capture_output=True,
                              text=True, timeout=120)  # fmt: skip
     assert missing.returncode == 1 and "no request 'nope'" in missing.stderr
+
+
+def test_overlapping_steps_of_async_scheduling_count_once(tmp_path) -> None:
+    """With async scheduling each step span starts while the step before it runs. The parts
+    still add up, and the time a request's steps gave to the other requests' tokens is a share of
+    each step's own time: less than the time the request spent in its steps, where summing the
+    overlapping spans would count much of it twice."""
+    db = str(tmp_path / "async.duckdb")
+    prompts = [f"Request {i}: " + "alpha beta " * 5 for i in range(4)]
+    offline_trace(db, prompts, [12] * 4, num_kv_blocks=64, async_scheduling=True)
+    store = TraceStore(db, read_only=True)
+    try:
+        steps = store.df("SELECT start_ns, end_ns FROM steps ORDER BY start_ns")
+        assert (steps["start_ns"].values[1:] < steps["end_ns"].values[:-1]).all()
+        for r in assert_parts_add_up(store):
+            in_steps = r["parts"]["prefill_s"] + r["parts"]["decode_s"]
+            assert 0 < r["shared"]["interference_s"] < in_steps, r
+            # The first decode is scheduled before the first token is back: still a decode.
+            assert (r["shared"]["prefill_steps"], r["shared"]["decode_steps"]) == (1, 11)
+    finally:
+        store.close()
