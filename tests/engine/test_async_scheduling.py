@@ -12,6 +12,11 @@ from __future__ import annotations
 import pytest
 
 from stepscope.engine import LLM, SamplingParams
+from stepscope.engine.config import EngineConfig
+from stepscope.engine.executor.multiproc_executor import MultiprocExecutor
+from stepscope.engine.executor.uniproc_executor import UniProcExecutor
+from stepscope.engine.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from stepscope.engine.models.loader import resolve_model
 from stepscope.engine.outputs import RequestOutput
 
 ENGINE = {"model": "tiny-llama", "num_kv_blocks": 12, "max_num_batched_tokens": 32}
@@ -93,9 +98,12 @@ def one_step_at_a_time() -> tuple[list[SamplingParams], list[tuple]]:
 
 
 @pytest.mark.parametrize("executor", ["uni", "mp"])
-def test_async_scheduling_gives_the_same_tokens(one_step_at_a_time, executor: str) -> None:
+def test_async_scheduling_gives_the_same_tokens(
+    one_step_at_a_time, process_tree, executor: str
+) -> None:
     params, reference = one_step_at_a_time
-    got, preemptions, stats = run(params, executor=executor, async_scheduling=True)
+    with process_tree.adopting():  # the mp executor's processes die with the test
+        got, preemptions, stats = run(params, executor=executor, async_scheduling=True)
     assert preemptions > 0
     assert [o[0] for o in got] == [o[0] for o in reference]  # tokens, stops and text
     # Logprobs too: the same ids, values equal to float32 rounding (batches differ).
@@ -130,3 +138,41 @@ def test_step_spans_overlap_with_async_scheduling_only(tmp_path, async_schedulin
     assert len(phases) >= 8
     overlaps = phases["schedule_start"].iloc[1:].values < phases["execute_end"].iloc[:-1].values
     assert overlaps.all() if async_scheduling else not overlaps.any()
+
+
+def test_executors_feed_a_step_sent_early_with_the_token_of_the_step_before(process_tree) -> None:
+    """Two steps of one request sent without waiting (a prefill, then the decode of the token it
+    samples), and on the worker processes a call that every rank answers while both are out:
+    each Future gets its own step's output, and the decode's token is the one a step at a time
+    gives."""
+    prompt = list(range(1000, 1010))
+    params = greedy(2)
+    steps = [
+        SchedulerOutput(0, [NewRequestData("r", prompt, params, [0], 0, len(prompt))],
+                        CachedRequestData(), {"r": 10}, 10, [], []),
+        SchedulerOutput(1, [], CachedRequestData(["r"], [[]], [10]), {"r": 1}, 1, [], []),
+    ]  # fmt: skip
+    tokens = {}
+    for executor_name in ("uni", "uni-sync", "mp"):
+        config = EngineConfig.create(
+            model="tiny-llama", num_kv_blocks=4, executor="mp" if executor_name == "mp" else "uni"
+        )
+        with process_tree.adopting():
+            executor = (MultiprocExecutor if executor_name == "mp" else UniProcExecutor)(
+                config, resolve_model("tiny-llama")
+            )
+        try:
+            executor.init_kv_cache(4)
+            if executor_name == "uni-sync":
+                outputs = [executor.execute_model(so) for so in steps]
+            else:
+                futures = [executor.execute_model(so, non_block=True) for so in steps]
+                assert len(executor.worker_configs()) == 1  # answered behind both steps
+                # The workers' outputs came first, read off the socket during that call.
+                assert executor_name == "uni" or all(f.done() for f in futures)
+                outputs = [f.result() for f in futures]
+            assert all(o.req_ids == ["r"] for o in outputs)
+            tokens[executor_name] = [o.sampled_token_ids[0] for o in outputs]
+        finally:
+            executor.shutdown()
+    assert tokens["uni"] == tokens["mp"] == tokens["uni-sync"]
