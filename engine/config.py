@@ -144,6 +144,10 @@ class ModelConfig(_Part):
     """auto: a GGUF checkpoint runs its quantized blocks as they are where this device has a
     kernel for them (a CPU), else dequantized; gguf: insist on that; none: dequantize to
     dtype."""
+    quantized_max_tokens: int | None = 4
+    """With quantization gguf: a step of more tokens runs a dequantized copy of each weight
+    through the dense GEMM (bound by FLOPs, not bytes); none: every step runs the quantized
+    blocks, and no copy is kept."""
     tokenizer: str | None = None
     """A tokenizer folder, or a .gguf file whose metadata holds one, instead of the model's."""
     # What the weights run as, once quantization is resolved: "gguf (Q4_1, Q8_0)" or a dtype.

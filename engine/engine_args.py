@@ -78,11 +78,15 @@ def _add_flag(group: Any, part: type, f: msgspec.structs.FieldInfo, default: Any
         )
         return
     metavar = None
-    if choices and default is not None and _takes_none(f.type):
+    if default is not None and _takes_none(f.type):
         # An option whose None means something (quantization=None: dequantize) is spelled
         # `--flag none` on the command line.
-        metavar = "{" + ",".join((*choices, "none")) + "}"
-        choices, base = (*choices, None), _none_or(base)
+        if choices:
+            metavar = "{" + ",".join((*choices, "none")) + "}"
+            choices = (*choices, None)
+        else:
+            metavar = f"{{{base.__name__.upper()},none}}"
+        base = _none_or(base)
     group.add_argument(
         flag,
         *part.aliases.get(f.name, ()),

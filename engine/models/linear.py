@@ -19,9 +19,10 @@ Elsewhere (GPUs, other dtypes, CPUs without these libraries) the weights stay as
 `F.linear` runs.
 
 A GGUF's quantized weights (engine/layers/quantization.py) run through `QuantizedLinear`: the
-integer kernel (kernels/cpu/qlinear.c) for a step of up to QUANTIZED_MAX_TOKENS tokens, where
-the bytes read bound the product; beyond, the same weight dequantized once at load into the
-packed dense path above, where FLOPs bound it (docs/benchmarks.md has the measurement).
+integer kernel (kernels/cpu/qlinear.c) for a step of up to `quantized_max_tokens` tokens (an
+engine option), where the bytes read bound the product; beyond, the same weight dequantized
+once at load into the packed dense path above, where FLOPs bound it (docs/benchmarks.md has
+the measurement that chose the default).
 """
 
 from __future__ import annotations
@@ -183,11 +184,6 @@ def _onednn_float32_linear() -> OneDNNLinear | None:
     return None
 
 
-# Steps of at most this many tokens run quantized weights through the integer kernel; larger
-# ones through their dequantized copy (None: never, and no copy is made).
-QUANTIZED_MAX_TOKENS: int | None = 4
-
-
 class QuantizedLinear(Linear):
     """GGUF blocks through the integer kernel for small steps, the dense path for large ones;
     weights that are not quantized (none, in a GGUF's projections) take the dense path."""
@@ -216,14 +212,20 @@ class QuantizedLinear(Linear):
         return self._qlinear(x, w.qs, w.scales, w.mins, w.bits, w.block)
 
 
-def make_linear(device: torch.device, dtype: torch.dtype, quantized: bool = False) -> Linear:
+def make_linear(
+    device: torch.device,
+    dtype: torch.dtype,
+    quantized: bool = False,
+    quantized_max_tokens: int | None = None,
+) -> Linear:
     """The packed path where one exists: oneDNN for bfloat16 on a CPU that runs it natively,
     oneDNN for float32 where torch carries it (else MKL's packed GEMM); else `F.linear`.
-    `quantized`: the weights include GGUF blocks (a CPU only), wrapped in QuantizedLinear."""
+    `quantized`: the weights include GGUF blocks (a CPU only), wrapped in QuantizedLinear,
+    which runs steps of more than `quantized_max_tokens` tokens on a dequantized copy."""
     if quantized:
         if device.type != "cpu":
             raise ValueError("quantized GGUF weights run on the CPU only")
-        return QuantizedLinear(make_linear(device, dtype), dtype, QUANTIZED_MAX_TOKENS)
+        return QuantizedLinear(make_linear(device, dtype), dtype, quantized_max_tokens)
     if device.type != "cpu":
         return Linear()
     if (

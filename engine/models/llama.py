@@ -56,6 +56,7 @@ class LlamaModel:
         tp_rank: int = 0,
         tp_size: int = 1,
         all_reduce=None,
+        quantized_max_tokens: int | None = None,
     ) -> None:
         if shape.num_heads % tp_size or shape.num_kv_heads % tp_size:
             raise ValueError(
@@ -70,7 +71,7 @@ class LlamaModel:
         self.tp_size = tp_size
         self.all_reduce = all_reduce
         quantized = any(isinstance(v, QuantizedWeight) for v in weights.values())
-        self.linear = make_linear(device, dtype, quantized)
+        self.linear = make_linear(device, dtype, quantized, quantized_max_tokens)
         # GGUF blocks stay as repacked; every other tensor takes the model's dtype and device.
         w = {k: v if isinstance(v, QuantizedWeight) else v.to(dtype) for k, v in weights.items()}
         self.embed = _to(w["model.embed_tokens.weight"], device)

@@ -101,8 +101,9 @@ class ModelRunner:
         self.attn = make_attention_backend(m.attention_backend, self.block_size, self.device)
         weights = load_weights(model_dir, m.quantization)
         self.model = LlamaModel(
-            self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce
-        )
+            self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce,
+            quantized_max_tokens=m.quantized_max_tokens,
+        )  # fmt: skip
         self.tp_size = tp_size
         self.num_kv_heads = self.shape.num_kv_heads // tp_size
         self.sampler = Sampler(self.device, m.seed, cpu_kernels=self.attn.name == "cpu")

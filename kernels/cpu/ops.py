@@ -199,7 +199,7 @@ def qlinear(
     library: dict | None = None,
 ) -> torch.Tensor:  # [..., out_features], x's dtype
     """x @ W.T with W = scales * u + mins per block (engine/layers/quantization.py), the
-    activations quantized to int8 per block inside the kernel (qlinear.c)."""
+    activations quantized to int16 per block inside the kernel (qlinear.c)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if not rows.is_contiguous():
@@ -226,7 +226,8 @@ def qlinear(
 
 
 def qlinear_reference(x, qs, scales, mins, bits: int, block: int):
-    """The same product in float32 torch, activations quantized per block as the kernel does."""
+    """The same product in float64 torch, activations quantized per block to int16 as the
+    kernel does."""
     k = x.shape[-1]
     n = qs.shape[0]
     if bits == 4:
@@ -235,11 +236,11 @@ def qlinear_reference(x, qs, scales, mins, bits: int, block: int):
     else:
         u = qs
     xb = x.reshape(-1, k // block, block).float()
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    qx = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
-    dots = torch.einsum("tbj,rbj->trb", qx, u.view(n, k // block, block).float())
-    y = (dots * d.squeeze(-1)[:, None, :] * scales[None]).sum(-1)
-    y = y + torch.einsum("tb,rb->tr", xb.sum(-1), mins)
+    d = xb.abs().amax(-1, keepdim=True) / 32767
+    qx = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d))).double()
+    dots = torch.einsum("tbj,rbj->trb", qx, u.view(n, k // block, block).double())
+    y = (dots * d.squeeze(-1)[:, None, :].double() * scales[None].double()).sum(-1)
+    y = (y + torch.einsum("tb,rb->tr", xb.sum(-1).double(), mins.double())).float()
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 

@@ -1,6 +1,6 @@
 """The quantized matmul (kernels/cpu/qlinear.c): against its torch reference (the same int8
 activations, so to float rounding), against the dequantized weights per GGUF block type (the
-activations' 8-bit rounding only), and its portable loops against this CPU's build."""
+activations' 16-bit rounding only), and its portable loops against this CPU's build."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_qlinear_equals_its_reference(bits, block, tokens):
     x = torch.randn(tokens, 320, generator=torch.Generator().manual_seed(1))
     got = run(x, w)
     want = ops.qlinear_reference(x, w.qs, w.scales, w.mins, bits, block)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # float32 sums
     # bfloat16 activations in, bfloat16 out: the same sums, rounded once at the end.
     got16 = run(x.bfloat16(), w)
     want16 = ops.qlinear_reference(x.bfloat16(), w.qs, w.scales, w.mins, bits, block)
@@ -102,11 +102,11 @@ def test_qlinear_on_gguf_blocks_is_close_to_the_dequantized_product(kind):
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(2))
     got = run(x, w)
     reference = ops.qlinear_reference(x, w.qs, w.scales, w.mins, w.bits, w.block)
-    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-4)
-    # What the int8 activations cost against the dequantized weights' float product: each
-    # activation rounded to 1/254 of its block's largest, accumulated over the row.
+    torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-3)
+    # What the int16 activations cost against the dequantized weights' float product: each
+    # activation rounded to 1/65534 of its block's largest, accumulated over the row.
     want = F.linear(x, dense)
-    assert ((got - want).norm() / want.norm()).item() < 0.03
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
 def test_qlinear_path_matches_the_cpu():

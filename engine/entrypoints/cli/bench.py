@@ -16,6 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_serve(bench_sub)
     _add_sampling(bench_sub)
     _add_soak(bench_sub)
+    _add_latency(bench_sub)
+    _add_accuracy(bench_sub)
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -182,3 +184,43 @@ def _bench_soak(args: argparse.Namespace) -> None:
 
     if not bench_soak(args):
         sys.exit(1)
+
+
+def _add_latency(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "latency", help="one request at a time (llama-bench's tg128): ms per output token"
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=3, help="runs a setting, after one warm-up")
+    p.add_argument(
+        "--quantization", default="gguf,none", help="settings side by side: gguf, none, auto"
+    )
+    p.add_argument("--dtype", default="bfloat16", help="e.g. bfloat16,float32")
+    p.add_argument("--async-scheduling", default="off", help="off, on, or off,on")
+    p.add_argument("--executor", default="uni", choices=["uni", "mp"])
+    p.set_defaults(func=_bench_latency)
+
+
+def _bench_latency(args: argparse.Namespace) -> None:
+    from stepscope.engine.bench.latency import bench_latency
+
+    bench_latency(args)
+
+
+def _add_accuracy(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "accuracy", help="quantized weights against the same weights dequantized (float32)"
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="float32", help="the quantized run's activations")
+    p.set_defaults(func=_bench_accuracy)
+
+
+def _bench_accuracy(args: argparse.Namespace) -> None:
+    from stepscope.engine.bench.accuracy import bench_accuracy
+
+    bench_accuracy(args)
