@@ -102,6 +102,7 @@ def run_stepscope(
     trace_db: str | None = None,
     dtype: str = "float32",
     data_parallel_size: int = 1,
+    quantization: str | None = "auto",
 ) -> tuple[float, list[float]]:
     """Seconds to generate the workload, and each request's TTFT (first token - arrival)."""
     from stepscope.engine.entrypoints.llm import LLM
@@ -116,6 +117,7 @@ def run_stepscope(
         trace_db=trace_db,
         dtype=dtype,
         data_parallel_size=data_parallel_size,
+        quantization=quantization,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
@@ -265,8 +267,10 @@ def bench_offline(args: argparse.Namespace) -> None:
     # A quick probe first: an emulated dtype's 2048^3 matmul alone would take minutes.
     probe = {d: matmul_peak_gflops(getattr(torch, d), n=512, reps=3) for d in {"float32", *dtypes}}
     summary = []
-    for dtype in dtypes:
-        print(f"--- {dtype}")
+    quantizations = [None if q == "none" else q for q in args.quantization.split(",")]
+    for quantization, dtype in [(q, d) for q in quantizations for d in dtypes]:
+        setting = dtype if len(quantizations) == 1 else f"{quantization or 'none'}/{dtype}"
+        print(f"--- {setting}")
         share = probe[dtype] / probe["float32"]
         if share < NATIVE_FRACTION and not args.force_dtype:
             print(
@@ -279,9 +283,9 @@ def bench_offline(args: argparse.Namespace) -> None:
             continue
         peak = matmul_peak_gflops(getattr(torch, dtype))
         print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 {dtype})")
-        tps_ss = _bench_stepscope(args, workload, flops, peak, dtype)
+        tps_ss = _bench_stepscope(args, workload, flops, peak, dtype, quantization)
         mfu = flops * tps_ss / workload.num_output_tokens / 1e9 / peak
-        line = f"{dtype}: stepscope {tps_ss:.1f} output tok/s, MFU {mfu:.0%}"
+        line = f"{setting}: stepscope {tps_ss:.1f} output tok/s, MFU {mfu:.0%}"
         if not args.skip_transformers:
             t_hf = run_transformers(model_dir, workload, args.hf_batch_size, dtype)
             tps_hf = workload.num_output_tokens / t_hf
@@ -292,14 +296,19 @@ def bench_offline(args: argparse.Namespace) -> None:
             print(f"ratio stepscope / transformers ({dtype}): {tps_ss / tps_hf:.2f}x")
             line += f"; transformers {tps_hf:.1f} tok/s; ratio {tps_ss / tps_hf:.2f}x"
         summary.append(line)
-    if len(dtypes) > 1:
+    if len(summary) > 1:
         print("--- summary")
         for line in summary:
             print(line)
 
 
 def _bench_stepscope(
-    args: argparse.Namespace, workload: Workload, flops: float, peak: float, dtype: str
+    args: argparse.Namespace,
+    workload: Workload,
+    flops: float,
+    peak: float,
+    dtype: str,
+    quantization: str | None = "auto",
 ) -> float:
     """Every executor x DP size x tracing setting in one dtype; returns the best setting's output
     tok/s."""
@@ -317,7 +326,7 @@ def _bench_stepscope(
                     trace_db = str(folder / "trace.duckdb")
                 label = _label(executor, dp, len(dps) > 1, args.tracing, tracing)
                 elapsed, ttft = run_stepscope(
-                    args.model, workload, args, executor, trace_db, dtype, dp
+                    args.model, workload, args, executor, trace_db, dtype, dp, quantization
                 )
                 seconds.setdefault(label, []).append(elapsed)
                 ttfts.setdefault(label, []).extend(ttft)

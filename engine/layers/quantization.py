@@ -75,6 +75,7 @@ class QuantizedWeight:
     block: int
     types: tuple[str, ...]  # the GGUF block types its rows came from
     dense: object = None
+    kernel: object = None  # the product, ready to call (QuantizedLinear.pack)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -189,27 +189,28 @@ class QuantizedLinear(Linear):
     weights that are not quantized (none, in a GGUF's projections) take the dense path."""
 
     def __init__(self, dense: Linear, dtype: torch.dtype, max_tokens: int | None) -> None:
-        from stepscope.kernels.cpu import ops
-
         self.dense = dense
         self.dtype = dtype
         self.max_tokens = max_tokens
-        self._qlinear = ops.qlinear
 
     def pack(self, weight):
         if not isinstance(weight, QuantizedWeight):
             return self.dense.pack(weight)
-        if self.max_tokens is None:
-            return weight
-        return replace(weight, dense=self.dense.pack(weight.dequantize().to(self.dtype)))
+        from stepscope.kernels.cpu.ops import QLinear
+
+        w = weight
+        kernel = QLinear(w.qs, w.scales, w.mins, w.bits, w.block)
+        dense = None
+        if self.max_tokens is not None:
+            dense = self.dense.pack(weight.dequantize().to(self.dtype))
+        return replace(weight, kernel=kernel, dense=dense)
 
     def __call__(self, x: torch.Tensor, weight) -> torch.Tensor:
         if not isinstance(weight, QuantizedWeight):
             return self.dense(x, weight)
         if weight.dense is not None and x.shape[0] > self.max_tokens:
             return self.dense(x, weight.dense)
-        w = weight
-        return self._qlinear(x, w.qs, w.scales, w.mins, w.bits, w.block)
+        return weight.kernel(x)
 
 
 def make_linear(

@@ -189,40 +189,66 @@ def qlinear_paths(library: dict | None = None) -> set[str]:
     return {"avx512_vnni"} if paths.value & 1 else set()
 
 
-def qlinear(
-    x: torch.Tensor,  # [..., in_features] float32 or bfloat16
-    qs: torch.Tensor,  # [out_features, in_features * bits / 8] uint8
-    scales: torch.Tensor,  # [out_features, in_features / block] float32
-    mins: torch.Tensor,  # [out_features, in_features / block] float32
-    bits: int,
-    block: int,
-    library: dict | None = None,
-) -> torch.Tensor:  # [..., out_features], x's dtype
+class QLinear:
     """x @ W.T with W = scales * u + mins per block (engine/layers/quantization.py), the
-    activations quantized to int16 per block inside the kernel (qlinear.c)."""
-    k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    _check(rows)
-    _check(qs, dtype=torch.uint8)
-    _check(scales, mins, dtype=torch.float32)
-    n = qs.shape[0]
-    if qs.shape[1] * 8 != k * bits or scales.shape != (n, k // block) or mins.shape != scales.shape:
-        raise ValueError(
-            f"weights of {n} rows do not take {k} features in {bits}-bit blocks of {block}: "
-            f"qs {tuple(qs.shape)}, scales {tuple(scales.shape)}"
-        )
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    status = _kernel("qlinear", x.dtype, library)(
-        x=rows.data_ptr(), m=rows.shape[0], k=k, qs=qs.data_ptr(), scales=scales.data_ptr(),
-        mins=mins.data_ptr(), n=n, bits=bits, block=block, out=out.data_ptr(),
-        num_threads=torch.get_num_threads(),
-    )  # fmt: skip
-    if status:
-        raise ValueError(f"qlinear refused its arguments (code {status}): in_features a multiple "
-                         "of 32; 4-bit blocks of 32, or 8-bit blocks of 16 or 32")  # fmt: skip
-    return out
+    activations quantized to int16 per block inside the kernel (qlinear.c). The weight is
+    checked once, here; a call checks only x and hands the kernel its pointers, so that the
+    ~120 products of a one-token decode step cost little Python besides the kernel itself."""
+
+    def __init__(
+        self,
+        qs: torch.Tensor,  # [out_features, in_features * bits / 8] uint8
+        scales: torch.Tensor,  # [out_features, in_features / block] float32
+        mins: torch.Tensor,  # [out_features, in_features / block] float32
+        bits: int,
+        block: int,
+        library: dict | None = None,
+    ) -> None:
+        _check(qs, dtype=torch.uint8)
+        _check(scales, mins, dtype=torch.float32)
+        n, k = qs.shape[0], qs.shape[1] * 8 // bits
+        if (
+            bits not in (4, 8)
+            or k % block
+            or scales.shape != (n, k // block)
+            or (mins.shape != scales.shape)
+        ):
+            raise ValueError(
+                f"not a weight of {bits}-bit blocks of {block}: qs {tuple(qs.shape)}, scales "
+                f"{tuple(scales.shape)}, mins {tuple(mins.shape)}"
+            )
+        self.weights = (qs, scales, mins)  # kept alive: the kernel reads them by address
+        self.n, self.k, self.bits, self.block = n, k, bits, block
+        self._pointers = (qs.data_ptr(), scales.data_ptr(), mins.data_ptr())
+        lib = library or load()
+        self._kernels = {dtype: lib[f"qlinear_{suffix}"].fn for dtype, suffix in _SUFFIX.items()}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], x's dtype
+        if x.shape[-1] != self.k or x.dtype not in self._kernels or x.device.type != "cpu":
+            raise ValueError(
+                f"expected float32 or bfloat16 CPU inputs of {self.k} features, got "
+                f"{x.dtype} {tuple(x.shape)} on {x.device}"
+            )
+        rows = x.reshape(-1, self.k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.empty(*x.shape[:-1], self.n, dtype=x.dtype)
+        qs, scales, mins = self._pointers
+        status = self._kernels[x.dtype](
+            rows.data_ptr(), rows.shape[0], self.k, qs, scales, mins, self.n, self.bits,
+            self.block, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise ValueError(
+                f"qlinear refused its arguments (code {status}): in_features a multiple of 32; "
+                "4-bit blocks of 32, or 8-bit blocks of 16 or 32"
+            )
+        return out
+
+
+def qlinear(x, qs, scales, mins, bits: int, block: int, library: dict | None = None):
+    """One product through `QLinear` (checking the weight on every call)."""
+    return QLinear(qs, scales, mins, bits, block, library)(x)
 
 
 def qlinear_reference(x, qs, scales, mins, bits: int, block: int):

@@ -57,11 +57,12 @@ def test_qlinear_equals_its_reference(bits, block, tokens):
 def test_qlinear_takes_no_tokens_and_refuses_bad_shapes():
     w = random_weight(64, 64, 4, 32)
     assert run(torch.zeros(0, 64), w).shape == (0, 64)
-    with pytest.raises(ValueError, match="do not take 96 features"):
+    with pytest.raises(ValueError, match="inputs of 64 features"):
         run(torch.zeros(1, 96), w)
+    with pytest.raises(ValueError, match="not a weight of 4-bit blocks of 32"):
+        ops.qlinear(torch.zeros(1, 64), w.qs, torch.zeros(64, 3), torch.zeros(64, 3), 4, 32)
     with pytest.raises(ValueError, match="4-bit blocks of 32"):  # the kernel's own check
-        blocks_of_16 = torch.zeros(64, 4)
-        ops.qlinear(torch.zeros(1, 64), w.qs, blocks_of_16, blocks_of_16, 4, 16)
+        ops.qlinear(torch.zeros(1, 64), w.qs, torch.zeros(64, 4), torch.zeros(64, 4), 4, 16)
 
 
 def _packaged(package: str, pattern: str) -> Path | None:

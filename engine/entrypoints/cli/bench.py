@@ -79,6 +79,11 @@ def _add_offline(bench_sub: argparse._SubParsersAction) -> None:
         "throughput and TTFT (each rank gets cores / DP torch threads)",
     )
     p.add_argument(
+        "--quantization",
+        default="auto",
+        help="auto, gguf, none, or 'gguf,none': the whole comparison once per setting",
+    )
+    p.add_argument(
         "--force-dtype",
         action="store_true",
         help="run a dtype even where its matmul is emulated on this CPU (slow)",
