@@ -3,7 +3,8 @@
 Two IO threads bridge the ZMQ sockets and two queues, so the loop never touches a socket:
 the input thread decodes requests (ADD, ABORT, UTILITY) onto the input queue, the output thread
 encodes EngineCoreOutputs off the output queue. Each turn the loop drains the input queue, then
-runs one step if any request is unfinished; with nothing to do it blocks on the input queue.
+runs one step if any request is unfinished (or, with async scheduling, a step is still in flight);
+with nothing to do it blocks on the input queue.
 
 Start-up is a handshake with whoever launched the core (vLLM: `EngineCoreProc.startup_handshake`):
 the core builds its model and KV pool, listens for requests (an ipc path, or a TCP port when
@@ -203,7 +204,8 @@ class EngineCoreProc:
         while self.running:
             self._process_input_queue(idle)
             idle = True
-            if self.running and self.core.has_unfinished_requests():
+            # A step still in flight is collected even when every request has finished.
+            if self.running and (self.core.has_unfinished_requests() or self.core.batch_queue):
                 outputs = self.core.step()
                 if outputs.outputs:
                     self._send_outputs(outputs)

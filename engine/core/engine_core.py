@@ -181,8 +181,7 @@ class EngineCore:
             self.request_links.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or a step sent whose output is still to be processed."""
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
         """Schedule a step and send it to the executor; then, once `batch_queue_size` steps
@@ -193,7 +192,9 @@ class EngineCore:
         placeholders (vLLM: `AsyncScheduler`).
 
         A step that schedules nothing does not happen: no executor call, no span;
-        `last_step_ran` says whether this call scheduled or updated anything."""
+        `last_step_ran` says whether this call scheduled or updated anything. Once every request
+        has finished, a step may still be in `batch_queue` (its tokens are thrown away): the
+        next call, or the busy loop, collects it."""
         self.last_step_ran = False
         queue = self.batch_queue
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():

@@ -19,7 +19,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import msgspec
@@ -162,7 +162,13 @@ class FakeExecutor(Executor):
     def worker_configs(self) -> list:
         return []  # its fake runners take no config
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if non_block:  # async scheduling: the step runs now, in order, and its output waits
+            output: Future[ModelRunnerOutput] = Future()
+            output.set_result(self.execute_model(scheduler_output))
+            return output
         start = time.perf_counter()
         futures = []
         traced_send(

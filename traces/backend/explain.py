@@ -71,7 +71,8 @@ WITH counts AS (
     FROM step_requests WHERE dp_rank = $2 AND end_ns >= $3 AND start_ns <= $4
     GROUP BY dp_rank, step, start_ns
 )
-SELECT s.step, s.start_ns, s.end_ns, s.own_s, s.num_prefill_tokens, s.num_decode_tokens,
+SELECT s.step, s.start_ns, s.end_ns, s.own_start_ns, s.own_s, s.num_prefill_tokens,
+       s.num_decode_tokens,
        s.waiting_reason, s.kv_blocks_short, s.token_budget,
        coalesce(sr.num_requests, 0) AS num_requests, coalesce(sr.own_tokens, 0) AS own_tokens
 FROM ({STEPS_WITH_OWN_TIME}) s LEFT JOIN counts sr ON {STEP_JOIN}
@@ -116,7 +117,7 @@ def explain(source: Queryable, request_id: str | None = None) -> dict[str, Any]:
         "e2e_s": (t1 - t0) / 1e9,
         "parts": parts,
         "queue_reasons": _queue_reasons(steps, queued, scheduled),
-        "shared": _shared(served, first, input_tokens - cached),
+        "shared": _shared(served, first, input_tokens - cached, scheduled, finished),
         "preemptions": int(request["num_preemptions"] or 0),
         "recomputed_tokens": max(int(served["own_tokens"].sum()) - expected, 0)
         if len(served)
@@ -255,9 +256,13 @@ def _queue_reasons(steps: pd.DataFrame, queued: int, scheduled: int) -> dict[str
     return reasons
 
 
-def _shared(served: pd.DataFrame, first_token: int, prompt_tokens: int) -> dict[str, Any]:
+def _shared(
+    served: pd.DataFrame, first_token: int, prompt_tokens: int, scheduled: int, finished: int
+) -> dict[str, Any]:
     """The steps that ran the request: its tokens, the other requests' tokens, and the share of
-    those steps' own time that went to the others (by each step's token mix).
+    those steps' own time, from `scheduled` to `finished`, that went to the others (by each
+    step's token mix). (Under async scheduling a step may run a token of the request after it
+    stopped, to be thrown away: that step's time past `finished` is not the request's.)
 
     A one-token step is a decode once the prompt's `prompt_tokens` (less prefix hits) have run:
     it started after the first token, or (async scheduling) was scheduled while the step that
@@ -278,7 +283,8 @@ def _shared(served: pd.DataFrame, first_token: int, prompt_tokens: int) -> dict[
         other_prefill += max(prefill_others, 0)
         other_decode += max(decode_others, 0)
         if total:
-            interference += row.own_s * max(total - mine, 0) / total
+            own_ns = min(row.end_ns, finished) - max(row.own_start_ns, scheduled)
+            interference += max(own_ns, 0) / 1e9 * max(total - mine, 0) / total
         others.append(int(row.num_requests) - 1)
     return {
         "steps": len(served),

@@ -49,16 +49,19 @@ class RequestPath:
 # Step indexes count per data-parallel rank: a step is (dp_rank, step), never the index alone.
 STEP_JOIN = "s.dp_rank = sr.dp_rank AND s.step = sr.step AND s.start_ns = sr.start_ns"
 
-# The `steps` view plus each step's own time, `own_s`: from its start, or from the end of the
-# latest earlier step of its rank where that is later, to its end. Under async scheduling a step
-# starts (is scheduled) while the one before it runs, so step spans overlap and their durations
-# count that time twice; own times never count a moment twice, and a step that overlaps no other
-# has its duration as its own time.
+# The `steps` view plus each step's own time: from `own_start_ns` (its start, or the end of the
+# latest earlier step of its rank where that is later) to its end, `own_s` seconds. Under async
+# scheduling a step starts (is scheduled) while the one before it runs, so step spans overlap and
+# their durations count that time twice; own times never count a moment twice, and a step that
+# overlaps no other has its duration as its own time.
 STEPS_WITH_OWN_TIME = """
-SELECT *, greatest(0, end_ns - greatest(start_ns, coalesce(max(end_ns) OVER (
-           PARTITION BY dp_rank ORDER BY start_ns
-           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), start_ns))) / 1e9 AS own_s
-FROM steps
+SELECT *, greatest(0, end_ns - own_start_ns) / 1e9 AS own_s
+FROM (
+    SELECT *, greatest(start_ns, coalesce(max(end_ns) OVER (
+               PARTITION BY dp_rank ORDER BY start_ns
+               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), start_ns)) AS own_start_ns
+    FROM steps
+)
 """
 
 _REQUEST_STEPS = f"""

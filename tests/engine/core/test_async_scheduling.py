@@ -128,7 +128,7 @@ def run(async_scheduling: bool, seed: int) -> Run:
     r = Run({}, worker, core)
     abort_after = {req.request_id: after for _, req, after in pending if after is not None}
     calls = 0
-    while pending or core.has_unfinished_requests():
+    while pending or core.has_unfinished_requests() or core.batch_queue:
         for arrival in [p for p in pending if p[0] <= calls]:
             core.add_request(arrival[1])
             r.results[arrival[1].request_id] = ([], None)
@@ -197,7 +197,7 @@ def test_a_request_preempted_with_its_token_in_flight_keeps_that_token(r1_max_to
         core.add_request(EngineCoreRequest(f"r{i}", [2 + i] * lengths[i], params, EOS, 0.0))
     got: dict[str, list[int]] = {"r0": [], "r1": []}
     preempted_in_flight = False
-    while core.has_unfinished_requests():
+    while core.has_unfinished_requests() or core.batch_queue:
         r1 = core.scheduler.requests.get("r1")
         in_flight = r1 is not None and r1.num_output_placeholders > 0
         step_before = core.scheduler.step_index

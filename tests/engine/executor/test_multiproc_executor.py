@@ -145,8 +145,10 @@ def test_greedy_tokens_match_uniproc_executor(
             again = generate(core)
             assert again["sampled-own-seed"] == tokens["sampled-own-seed"]
             assert len(tokens["sampled-engine-seed"]) == MAX_TOKENS
-        assert executor.last_crossing_seconds is not None
-        assert 0 < executor.last_crossing_seconds < 1.0
+        # A step sent while another ran (async scheduling) has no crossing time of its own.
+        if not core.async_scheduling:
+            assert executor.last_crossing_seconds is not None
+            assert 0 < executor.last_crossing_seconds < 1.0
     finally:
         executor.shutdown()
 
