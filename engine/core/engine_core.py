@@ -37,13 +37,7 @@ from stepscope.engine.metrics import TOKENS_PER_STEP_BUCKETS, Histogram
 from stepscope.engine.models.loader import load_config
 from stepscope.traces import names
 from stepscope.traces.setup import dropped_spans, flush_tracing
-from stepscope.traces.spans import (
-    NOOP,
-    child_span,
-    ended_child_span,
-    request_link,
-    step_span,
-)
+from stepscope.traces.spans import child_span, ended_child_span, request_link, step_span
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +214,6 @@ class EngineCore:
         if not (scheduler_output.total_num_scheduled_tokens or scheduler_output.preempted_req_ids):
             return None
         span = step_span(step=scheduler_output.step, start_ns=t0)
-        execute = NOOP
         with span.attached():
             ended_child_span(names.SCHEDULE, t0, t1)
             span.record(
