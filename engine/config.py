@@ -148,6 +148,9 @@ class ModelConfig(_Part):
     """With quantization gguf: a step of more tokens runs a dequantized copy of each weight
     through the dense GEMM (bound by FLOPs, not bytes); none: every step runs the quantized
     blocks, and no copy is kept."""
+    fused_decode: bool = True
+    """With GGUF weights on the cpu backend: every layer of a decode step of up to
+    quantized_max_tokens tokens in one C call; off: the Python forward, op by op."""
     tokenizer: str | None = None
     """A tokenizer folder, or a .gguf file whose metadata holds one, instead of the model's."""
     # What the weights run as, once quantization is resolved: "gguf (Q4_1, Q8_0)" or a dtype.

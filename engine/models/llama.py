@@ -20,6 +20,7 @@ from stepscope.engine.layers.attention import AttentionBackend, AttentionMetadat
 from stepscope.engine.layers.quantization import QuantizedWeight
 from stepscope.engine.layers.rotary import rope_inv_freq
 from stepscope.engine.models.config import ModelShape
+from stepscope.engine.models.fused_decode import FusedDecode, fused_decode_reason
 from stepscope.engine.models.linear import make_linear
 
 
@@ -57,6 +58,7 @@ class LlamaModel:
         tp_size: int = 1,
         all_reduce=None,
         quantized_max_tokens: int | None = None,
+        fused_decode: bool = True,
     ) -> None:
         if shape.num_heads % tp_size or shape.num_kv_heads % tp_size:
             raise ValueError(
@@ -88,6 +90,10 @@ class LlamaModel:
         self.rope_cache = self.ops.rope_cache(
             shape.max_position_embeddings, inv_freq, device, dtype
         )
+        # Small decode steps of GGUF weights: every layer in one C call (fused_decode.py).
+        self.fused_decode = None
+        if fused_decode and fused_decode_reason(self) is None:
+            self.fused_decode = FusedDecode(self, quantized_max_tokens)
 
     def _layer_weights(
         self, w: dict[str, torch.Tensor], i: int, rank: int, size: int
@@ -147,6 +153,9 @@ class LlamaModel:
             x = F.embedding(input_ids, self.embed)
         residual = None  # the residual stream; x is the last sub-layer's output until it is added
         n = input_ids.shape[0]
+        if self.fused_decode is not None and self.fused_decode.takes(n, meta):
+            x, residual = self.fused_decode(x, positions, kv_caches, meta)
+            return ops.add_rms_norm(x, residual, self.norm, self.shape.rms_norm_eps)[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if residual is None:
                 x, residual = ops.rms_norm(x, layer.input_norm, layer.eps), x

@@ -102,7 +102,7 @@ class ModelRunner:
         weights = load_weights(model_dir, m.quantization)
         self.model = LlamaModel(
             self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce,
-            quantized_max_tokens=m.quantized_max_tokens,
+            quantized_max_tokens=m.quantized_max_tokens, fused_decode=m.fused_decode,
         )  # fmt: skip
         self.tp_size = tp_size
         self.num_kv_heads = self.shape.num_kv_heads // tp_size

@@ -49,6 +49,7 @@ SOURCES = {
     "attention.c": ["-ffp-contract=fast", "-fno-trapping-math"],
     "prefill_attention.c": ["-ffp-contract=fast", "-fno-trapping-math"],
     "qlinear.c": ["-ffp-contract=fast", "-fno-trapping-math"],
+    "decode_layers.c": ["-ffp-contract=off"],
     "norm.c": ["-ffp-contract=off"],
     "rotary.c": ["-ffp-contract=off"],
     "sampling.c": ["-ffp-contract=off", "-fno-trapping-math"],

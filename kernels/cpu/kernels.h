@@ -40,6 +40,23 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
                            int64_t block_size, float scale, uint16_t *out, float *scratch,
                            int64_t num_threads);
 
+/* decode_layers.c */
+int decode_layers_f32(float *x, float *residual, const int64_t *weights, const int64_t *formats,
+                      int64_t num_layers, const int64_t *kv_caches, int64_t tokens, int64_t hidden,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t intermediate, float eps, float scale, const int64_t *positions,
+                      const float *rope_cache, int64_t max_positions, const int64_t *slots,
+                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                      int64_t block_size, int64_t max_len, int64_t num_threads);
+int decode_layers_bf16(uint16_t *x, uint16_t *residual, const int64_t *weights,
+                       const int64_t *formats, int64_t num_layers, const int64_t *kv_caches,
+                       int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t intermediate, float eps, float scale,
+                       const int64_t *positions, const uint16_t *rope_cache,
+                       int64_t max_positions, const int64_t *slots, const int32_t *block_tables,
+                       int64_t bt_stride, const int32_t *seq_lens, int64_t block_size,
+                       int64_t max_len, int64_t num_threads);
+
 /* norm.c */
 int rms_norm_f32(const float *x, const float *residual, const float *weight, float eps,
                  float *out, float *sum_out, int64_t rows, int64_t hidden, int64_t num_threads);
