@@ -172,10 +172,13 @@ def check_gguf(model_dir: Path) -> None:
 def resolve_quantization(asked: str | None, model_dir: str | Path, device: str) -> str | None:
     """ "gguf" where the checkpoint is a GGUF and the device has a kernel for its blocks (the
     CPU's, kernels/cpu/qlinear.c), else None (weights dequantized to dtype). "gguf" asked for
-    where it cannot run is refused; so is a GGUF block type without a repack, by name."""
+    where it cannot run is refused; so is a GGUF block type without a repack, by name, and a
+    GGUF of a family whose tensor names are not read here (any but Llama's)."""
+    is_gguf = gguf_file(Path(model_dir)) is not None
+    if is_gguf:
+        _check_family(json.loads((Path(model_dir) / "config.json").read_text()))
     if asked is None:
         return None
-    is_gguf = gguf_file(Path(model_dir)) is not None
     if asked == "gguf" and not is_gguf:
         raise ValueError(f"quantization 'gguf' needs a GGUF checkpoint; {model_dir} is not one")
     if asked == "gguf" and device != "cpu":
@@ -184,6 +187,14 @@ def resolve_quantization(asked: str | None, model_dir: str | Path, device: str) 
         return None
     check_gguf(Path(model_dir))
     return "gguf"
+
+
+def _check_family(config: dict) -> None:
+    if config.get("model_type", "llama") != "llama":
+        raise ValueError(
+            f"GGUF files of model_type {config.get('model_type')!r} are not read yet: "
+            "stepscope reads Llama-family GGUF files"
+        )
 
 
 def hf_name(name: str) -> str | None:
@@ -223,11 +234,7 @@ def load_gguf_weights(model_dir: Path, quantized: bool) -> dict:
     )
 
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("model_type", "llama") != "llama":
-        raise ValueError(
-            f"GGUF files of model_type {config.get('model_type')!r} are not read yet: "
-            "stepscope reads Llama-family GGUF files"
-        )
+    _check_family(config)
     path = gguf_file(model_dir)
     infos = read_tensor_infos(path)
     check_supported({t.name: t.kind for t in infos})

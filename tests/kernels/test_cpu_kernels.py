@@ -233,9 +233,17 @@ def _definitions(sources: Path) -> dict[str, build.Signature]:
 
 def test_the_ctypes_signatures_are_kernels_h_argument_by_argument():
     signatures = build.signatures(HEADER)
-    kinds = ("decode_attention", "prefill_attention", "rms_norm", "rotary")
+    kinds = (
+        "decode_attention",
+        "prefill_attention",
+        "rms_norm",
+        "rotary",
+        "qlinear",
+        "decode_layers",
+    )
     per_dtype = [f"{k}_{s}" for k in kinds for s in ("f32", "bf16")]
-    others = ["decode_attention_paths", "prefill_attention_scratch", "top_k_top_p_f32"]
+    others = ["decode_attention_paths", "prefill_attention_scratch", "top_k_top_p_f32",
+              "qlinear_paths"]  # fmt: skip
     assert sorted(signatures) == sorted([*per_dtype, *others])
     attention = signatures["decode_attention_f32"]
     assert attention.params[10:13] == ("block_size", "scale", "out")
