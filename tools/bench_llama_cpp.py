@@ -140,6 +140,8 @@ def main() -> None:
                 )  # fmt: skip
             finally:
                 stop(proc)
+            for message, count in res.errors.items():
+                print(f"  {name} at {concurrency}: {count} failed: {message}", flush=True)
             floor_ms = weight_bytes(name, cfg) / bandwidth / 1e6
             row = (f"| {name} | {concurrency} | {res.output_throughput:.1f} | "
                    f"{res.ttft.median_ms:.0f} | {res.itl.median_ms:.1f} | {res.tpot.median_ms:.1f} "

@@ -258,7 +258,7 @@ async def stream_completion(
     done = False
     sent = time.perf_counter()
     try:
-        async with streams.session.post(streams.endpoint, json=body) as r:
+        async with await _post(streams, body) as r:
             if r.status != 200:
                 text = (await r.read()).decode(errors="replace")
                 res.error = f"HTTP {r.status}: {_error_message(text)}"
@@ -292,6 +292,16 @@ async def stream_completion(
     res.e2el_s = chunk_times[-1] - sent
     res.itl_s = [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)]
     return res
+
+
+async def _post(streams: CompletionStreams, body: dict):
+    """The response to a POST, sent again once if the pooled connection it went out on had been
+    closed by the server before the request was written (llama.cpp's server closes idle
+    keep-alive connections): nothing reached the server, so nothing runs twice."""
+    try:
+        return await streams.session.post(streams.endpoint, json=body)
+    except aiohttp.ClientOSError:
+        return await streams.session.post(streams.endpoint, json=body)
 
 
 def _error_message(text: str) -> str:
