@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 from stepscope.traces import names as n
 from stepscope.traces import setup as _setup
-from stepscope.traces.spans import receive_span, send_span
+from stepscope.traces.crossing_spans import receive_span, send_span
 
 __all__ = [
     "API_TO_ENGINE_CORE",

@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from stepscope.engine.core.scheduler import StepStats
 from stepscope.engine.entrypoints.cli import build_parser
+from stepscope.traces import crossing_spans as cs
 from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp
@@ -34,17 +35,17 @@ class _Output:  # an EngineCoreOutput's shape
 def _every_kind_of_span() -> None:
     """One span from each helper, as the engine's processes record them."""
     with sp.request_span("r0", model=MODEL, input_tokens=5) as request:
-        crossing, carrier = sp.send_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 10, 1)
+        crossing, carrier = cs.send_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 10, 1)
         with crossing:
             pass
-        with sp.receive_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 10, 1, carrier):
+        with cs.receive_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 10, 1, carrier):
             pass
         request.observe(_Output([1, 2, 3], finish="length"))
     with sp.step_span(StepStats(step=0), ["r0"], [5]):
         with sp.child_span(n.SCHEDULE):
             pass
         sp.ended_child_span(n.UPDATE, 1, 2)
-        crossing, carrier = sp.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 10, 1)
+        crossing, carrier = cs.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 10, 1)
         with crossing:
             pass
         with sp.worker_step_span(0, 0, carrier), sp.child_span(n.FORWARD, {"extra": 1}):

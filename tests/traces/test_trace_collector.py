@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from stepscope.traces import crossing_spans as cs
 from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp
@@ -24,15 +25,15 @@ from stepscope.traces.backend.store import TraceStore
 # A worker process: receives the SchedulerOutput's carrier, runs a step, sends its output back.
 WORKER = """
 import json, sys
-from stepscope.traces import names as n, setup, spans as sp
+from stepscope.traces import crossing_spans as cs, names as n, setup, spans as sp
 url, carrier = sys.argv[1], json.loads(sys.argv[2])
 setup.init_tracing(n.SERVICE_WORKER, rank=1, collector_endpoint=url)
-with sp.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 100, 2, carrier):
+with cs.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 100, 2, carrier):
     pass
 with sp.worker_step_span(0, 1, carrier):
     with sp.child_span(n.FORWARD):
         pass
-    crossing, back = sp.send_span(n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 40, 2)
+    crossing, back = cs.send_span(n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 40, 2)
     with crossing:
         pass
 assert setup.shutdown_tracing() == 0
@@ -66,7 +67,7 @@ def test_send_and_receive_join_across_real_processes(collector):
     process, url, db_path = collector
     setup.init_tracing(n.SERVICE_ENGINE_CORE, collector_endpoint=url)
     with sp.step_span(step=0), sp.child_span(n.EXECUTE):
-        crossing, carrier = sp.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 100, 2)
+        crossing, carrier = cs.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 100, 2)
         with crossing:
             worker = subprocess.run(
                 [sys.executable, "-c", WORKER, url, json.dumps(carrier)],
@@ -75,7 +76,7 @@ def test_send_and_receive_join_across_real_processes(collector):
                 check=True,
             )
         back = json.loads(worker.stdout)
-        with sp.receive_span(n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 40, 2, back):
+        with cs.receive_span(n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 40, 2, back):
             pass
     assert setup.shutdown_tracing() == 0
 
@@ -169,7 +170,7 @@ def test_the_closing_counts_name_lost_spans_and_senders_that_never_reported(coll
     # A sender killed before it could report: its spans arrived, its counts never did.
     killed = (
         "import os, sys\n"
-        "from stepscope.traces import names as n, setup, spans as sp\n"
+        "from stepscope.traces import crossing_spans as cs, names as n, setup, spans as sp\n"
         "setup.init_tracing(n.SERVICE_WORKER, rank=0, collector_endpoint=sys.argv[1])\n"
         "with sp.step_span(step=0):\n    pass\n"
         "setup.flush_tracing()\n"

@@ -25,6 +25,7 @@ from stepscope.engine.messages import (
 )
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import crossing, setup
+from stepscope.traces import crossing_spans as cs
 from stepscope.traces import names as n
 from stepscope.traces import spans as sp
 from stepscope.traces.crossing import traced_receive, traced_send
@@ -35,10 +36,10 @@ def _one_step(step: int) -> None:
     with sp.step_span(StepStats(step=step), ["a"], [1]):
         with sp.child_span(n.SCHEDULE):
             pass
-        crossing, carrier = sp.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 10, 1)
+        crossing, carrier = cs.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 10, 1)
         with crossing:
             pass
-        with sp.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 10, 1, carrier):
+        with cs.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 10, 1, carrier):
             pass
         with sp.worker_step_span(step, 0, carrier), sp.child_span(n.FORWARD):
             pass
@@ -49,8 +50,8 @@ def test_helpers_are_noops_when_tracing_is_not_initialised():
     assert sp.step_span(StepStats(step=0)) is sp.NOOP
     assert sp.child_span(n.SCHEDULE) is sp.NOOP
     assert sp.worker_step_span(0, 0) is sp.NOOP
-    assert sp.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1) == (sp.NOOP, {})
-    assert sp.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1, {}) is sp.NOOP
+    assert cs.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1) == (sp.NOOP, {})
+    assert cs.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1, {}) is sp.NOOP
     request = sp.request_span("r", model="m")
     assert request is sp.NOOP
     with request as r, r.current():
@@ -100,13 +101,13 @@ def test_receive_follows_the_sender_decision_in_the_carrier():
     memory = InMemorySpanExporter()
     setup.init_tracing(n.SERVICE_WORKER, exporters=[memory], trace_steps="every:2")
     # A sender that did not record its step sends no context: the receiver records nothing...
-    assert sp.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1, {}) is sp.NOOP
+    assert cs.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1, {}) is sp.NOOP
     assert sp.worker_step_span(1, 0, {}) is sp.NOOP
     # ...and follows a sampled context whatever its own step count says.
-    crossing, carrier = sp.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1, step=0)
+    crossing, carrier = cs.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1, step=0)
     with crossing:
         pass
-    with sp.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1, carrier, step=1):
+    with cs.receive_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1, 1, carrier, step=1):
         pass
     setup.flush_tracing()
     send, receive = memory.get_finished_spans()
@@ -130,7 +131,7 @@ def test_request_span_parents_on_incoming_traceparent_and_records_output():
             self.num_preemptions = 1
 
     with sp.request_span("r9", model="m", operation="text_completion", headers=headers) as req:
-        crossing, carrier = sp.send_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 5, 1)
+        crossing, carrier = cs.send_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 5, 1)
         req.observe(Output([1, 2], {"queued": 100.0, "scheduled": 100.5, "first_token": 101.0}))
         req.observe(Output([3], {"preempted": 101.5, "finished": 102.0}, finish="stop"))
     assert crossing is sp.NOOP  # --trace-steps off: no crossing spans...

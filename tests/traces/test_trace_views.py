@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from stepscope.engine.core.scheduler import StepStats
+from stepscope.traces import crossing_spans as cs
 from stepscope.traces import names as n
 from stepscope.traces import setup
 from stepscope.traces import spans as sp
@@ -37,12 +38,12 @@ def _step(step: int, stats: StepStats, scheduled: dict[str, int], links: dict) -
             pass
         span.record(stats, scheduled, links=links, kv_total_blocks=64)
         with sp.child_span(n.EXECUTE):
-            crossing, carrier = sp.send_span(
+            crossing, carrier = cs.send_span(
                 n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", num_requests=len(scheduled)
             )
             with crossing:
                 crossing.set_nbytes(900 + step)
-            with sp.receive_span(
+            with cs.receive_span(
                 n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 900 + step, len(scheduled), carrier
             ):
                 pass
@@ -50,12 +51,12 @@ def _step(step: int, stats: StepStats, scheduled: dict[str, int], links: dict) -
                 for phase in (n.PREPARE_INPUTS, n.FORWARD, n.SAMPLE):
                     with sp.child_span(phase):
                         time.sleep(0.0005)
-                back, back_carrier = sp.send_span(
+                back, back_carrier = cs.send_span(
                     n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 120, len(scheduled)
                 )
                 with back:
                     pass
-            with sp.receive_span(
+            with cs.receive_span(
                 n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 120, len(scheduled), back_carrier
             ):
                 pass
@@ -78,22 +79,22 @@ def run_file(tmp_path_factory) -> str:
         )  # fmt: skip
         request_spans[rid] = request
         with request.current():
-            crossing, carrier = sp.send_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 64, 1)
+            crossing, carrier = cs.send_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 64, 1)
             with crossing:
                 pass
-        with sp.receive_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 64, 1, carrier):
+        with cs.receive_span(n.API_TO_ENGINE_CORE, "EngineCoreRequest", 64, 1, carrier):
             pass
         links[rid] = sp.request_link(carrier)
 
     _step(0, StepStats(0, 3, 0, 0, 15, 32, 60, 58, 4), dict(PROMPT), links)
     _step(1, StepStats(1, 2, 1, 2, 0, 32, 58, 57, 0, ("r2",), ("r0",)), {"r0": 1, "r1": 1}, links)
 
-    crossing, carrier = sp.send_span(
+    crossing, carrier = cs.send_span(
         n.ENGINE_CORE_TO_API, "EngineCoreOutputs", 80, 3, step=1, request_ids=REQUESTS
     )
     with crossing:
         pass
-    with sp.receive_span(n.ENGINE_CORE_TO_API, "EngineCoreOutputs", 80, 3, carrier):
+    with cs.receive_span(n.ENGINE_CORE_TO_API, "EngineCoreOutputs", 80, 3, carrier):
         pass
     for rid, request in request_spans.items():
         request.add_events(EVENTS[rid])

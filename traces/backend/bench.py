@@ -26,8 +26,8 @@ from pathlib import Path
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from stepscope.traces import crossing_spans, setup, spans
 from stepscope.traces import names as n
-from stepscope.traces import setup, spans
 from stepscope.traces.backend.client import CollectorClient
 from stepscope.traces.backend.collector_process import (
     start_collector_process,
@@ -76,10 +76,12 @@ def sample_spans(num_spans: int) -> list:
                 pass
             span.record(_Stats(step, request_ids), {r: 1 for r in request_ids}, links=links)
             with spans.child_span(n.EXECUTE):
-                crossing, carrier = spans.send_span(n.ENGINE_CORE_TO_WORKER, "SchedulerOutput")
+                crossing, carrier = crossing_spans.send_span(
+                    n.ENGINE_CORE_TO_WORKER, "SchedulerOutput"
+                )
                 with crossing:
                     crossing.set_nbytes(1200)
-                with spans.receive_span(
+                with crossing_spans.receive_span(
                     n.ENGINE_CORE_TO_WORKER, "SchedulerOutput", 1200, 8, carrier
                 ):
                     pass
@@ -87,12 +89,12 @@ def sample_spans(num_spans: int) -> list:
                     for phase in (n.PREPARE_INPUTS, n.FORWARD, n.SAMPLE):
                         with spans.child_span(phase):
                             pass
-                    back, back_carrier = spans.send_span(
+                    back, back_carrier = crossing_spans.send_span(
                         n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 300, 8
                     )
                     with back:
                         pass
-                with spans.receive_span(
+                with crossing_spans.receive_span(
                     n.WORKER_TO_ENGINE_CORE, "ModelRunnerOutput", 300, 8, back_carrier
                 ):
                     pass
