@@ -110,6 +110,9 @@ REQUEST_NUM_TOKENS = "stepscope.request_num_tokens"  # int array, parallel to RE
 WAITING_REASON = "stepscope.waiting_reason"
 WAITING_REASON_COUNT = "stepscope.waiting_reason_count"
 KV_BLOCKS_SHORT = "stepscope.kv_blocks_short"
+# The tokens the step's requests attend to: each scheduled request's KV length after the step
+# (computed tokens, prefix hits included, plus those scheduled now), summed over the step.
+NUM_CONTEXT_TOKENS = "stepscope.num_context_tokens"
 
 # ---- DP coordinator publication span: int arrays, one entry per DP rank ------------------------
 DP_NUM_WAITING = "stepscope.dp_num_waiting"

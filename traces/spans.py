@@ -197,6 +197,9 @@ class StepSpan(_Scope):
         }
         if kv_total_blocks is not None:
             attributes[n.KV_TOTAL_BLOCKS] = kv_total_blocks
+        context = getattr(stats, "num_context_tokens", None)
+        if context is not None:
+            attributes[n.NUM_CONTEXT_TOKENS] = context
         reason = getattr(stats, "waiting_reason", None)
         if reason is not None:
             attributes[n.WAITING_REASON] = reason

@@ -45,6 +45,9 @@ class StepStats:
     # it) was not admitted: one of WAITING_REASONS, or None when nobody was left waiting.
     waiting_reason: str | None = None
     kv_blocks_short: int = 0  # with "kv_blocks": how many free blocks the head lacked
+    # Tokens the step's scheduled requests attend to: each one's KV length once the step has
+    # run (computed tokens, prefix hits included, plus the tokens scheduled now), summed.
+    num_context_tokens: int = 0
 
 
 # "budget": running requests used the token budget; "max_num_seqs": the running batch is full;
@@ -124,7 +127,7 @@ class Scheduler:
         preempted: list[Request] = []
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
-        num_decode = num_prefill = prefix_hit_tokens = 0
+        num_decode = num_prefill = prefix_hit_tokens = num_context = 0
         now = time.time()
 
         # Pass 1: running requests catch up (a decode needs 1 token, a chunked prefill more).
@@ -191,6 +194,7 @@ class Scheduler:
 
         for request in scheduled_running + scheduled_new:
             n = num_scheduled[request.request_id]
+            num_context += request.num_computed_tokens + n
             # A step that brings a request level with its known tokens, one at a time, is a
             # decode (its last token may still be in flight); anything longer is (part of) a
             # prefill or recompute.
@@ -213,6 +217,7 @@ class Scheduler:
             finished=tuple(sorted(self.finished_req_ids)) if num_scheduled or preempted else (),
             waiting_reason=blocked_by,
             kv_blocks_short=kv_short if blocked_by == "kv_blocks" else 0,
+            num_context_tokens=num_context,
         )
         if not num_scheduled and not preempted:
             # Nothing to run: no step happens. Requests finished meanwhile (aborts) wait for the

@@ -131,6 +131,7 @@ SELECT
     {_str(n.WAITING_REASON)} AS waiting_reason,
     coalesce({_num(n.WAITING_REASON_COUNT)}, 0) AS waiting_reason_count,
     coalesce({_num(n.KV_BLOCKS_SHORT)}, 0) AS kv_blocks_short,
+    {_num(n.NUM_CONTEXT_TOKENS)} AS num_context_tokens,
     {_array_len(n.PREEMPTED_IDS)} AS num_preempted,
     {_array_len(n.FINISHED_IDS)} AS num_finished,
     {dp_rank_sql()} AS dp_rank,

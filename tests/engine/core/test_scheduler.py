@@ -581,3 +581,18 @@ def test_nothing_waiting_records_no_reason() -> None:
     s.add_request(make_request("a", tokens(4)))
     s.schedule()
     assert s.last_stats.waiting_reason is None and s.last_stats.num_waiting == 0
+
+
+def test_step_context_counts_each_request_kv_length_after_the_step() -> None:
+    """A 10-token prompt chunked 6 + 4, then a decode beside a request whose first two blocks
+    are prefix hits: each step's context is the sum of its requests' KV lengths once it ran."""
+    s = make_scheduler(16, budget=6, enable_caching=True)
+    s.add_request(make_request("a", tokens(10), ignore_eos=True))
+    step(s)
+    assert s.last_stats.num_context_tokens == 6
+    step(s)
+    assert s.last_stats.num_context_tokens == 10
+    s.add_request(make_request("b", [*tokens(8), 5000], ignore_eos=True))  # 8 hit, 1 to run
+    step(s)
+    assert s.last_stats.prefix_hit_tokens == 8
+    assert s.last_stats.num_context_tokens == 11 + 9
