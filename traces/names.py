@@ -37,6 +37,7 @@ SAMPLE = "stepscope.sample"
 SEND = "stepscope.send"  # PRODUCER on the sender of a message across a boundary
 RECEIVE = "stepscope.receive"  # CONSUMER on the receiver, parented on the SEND span
 DP_PUBLISH = "stepscope.dp_publish"  # DP coordinator: one per publication of the ranks' loads
+RUN = "stepscope.run"  # API process: once as a front end (LLM, AsyncLLM) starts; its config
 
 SPAN_NAMES = (
     REQUEST,
@@ -51,6 +52,7 @@ SPAN_NAMES = (
     SEND,
     RECEIVE,
     DP_PUBLISH,
+    RUN,
 )
 
 # ---- the four boundaries of the request path -----------------------------------------------------
@@ -76,6 +78,19 @@ OPERATION_TEXT_COMPLETION = "text_completion"
 REQUEST_ID = "stepscope.request_id"
 NUM_CACHED_TOKENS = "stepscope.num_cached_tokens"
 NUM_PREEMPTIONS = "stepscope.num_preemptions"
+# What `stepscope trace replay` needs to send the request again (recorded by the front end):
+# the prompt's chained hashes, one per full KV block (two prompts share their first k blocks
+# exactly when their first k hashes are equal), the SamplingParams as JSON text, and, only with
+# `--trace-content`, the prompt's token ids (int array).
+PROMPT_BLOCK_HASHES = "stepscope.prompt_block_hashes"
+SAMPLING_PARAMS = "stepscope.sampling_params"
+PROMPT_TOKEN_IDS = "stepscope.prompt_token_ids"
+
+# ---- run span: the engine configuration a run was recorded with ------------------------------
+ENGINE_CONFIG = "stepscope.engine_config"  # the whole EngineConfig, as JSON text
+ENTRY = "stepscope.entry"  # how requests came in: ENTRY_OFFLINE (LLM) or ENTRY_SERVE (AsyncLLM)
+ENTRY_OFFLINE = "offline"
+ENTRY_SERVE = "serve"
 
 
 class RequestEvent(StrEnum):

@@ -17,6 +17,8 @@ spans follow the step; a receiving process follows the sender's decision carried
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import MappingProxyType
@@ -90,6 +92,7 @@ class _Noop:
         return None
 
     set_attribute = record = set_nbytes = event = add_events = observe = finish = end = _nothing
+    record_prompt = _nothing
 
     def current(self) -> _Noop:
         return self
@@ -274,6 +277,25 @@ class RequestSpan(_Scope):
         if finish_reason is not None:
             self.span.set_attribute(n.GEN_AI_RESPONSE_FINISH_REASONS, [finish_reason])
 
+    def record_prompt(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        sampling_params: str,
+        *,
+        content: bool = False,
+    ) -> None:
+        """What a replay needs to send this request again: the prompt's chained block hashes
+        at the engine's `block_size`, the SamplingParams (JSON text) and, with `content`
+        (`--trace-content`), the prompt's token ids."""
+        attributes: dict[str, Any] = {
+            n.PROMPT_BLOCK_HASHES: prompt_block_hashes(token_ids, block_size),
+            n.SAMPLING_PARAMS: sampling_params,
+        }
+        if content:
+            attributes[n.PROMPT_TOKEN_IDS] = list(token_ids)
+        self.span.set_attributes(attributes)
+
     def finish(
         self,
         *,
@@ -375,6 +397,34 @@ def request_span(
         start_time=start_ns,
     )
     return RequestSpan(span, input_tokens)
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
+    """One hash per full block of the prompt, each over its block's token ids and the hash
+    before it (as the prefix cache chains its own): two prompts share their first k blocks
+    exactly when their first k hashes are equal. 8 bytes of BLAKE2b, as hex."""
+    out: list[str] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = array("q", token_ids[start : start + block_size]).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
+        out.append(parent.hex())
+    return out
+
+
+def run_span(engine_config: str, entry: str) -> None:
+    """`stepscope.run`, once as a front end starts: the engine configuration it runs (JSON
+    text) and how its requests come in (`offline` or `serve`), for `stepscope trace replay`."""
+    state = _setup.state
+    if state is None:
+        return
+    span = state.tracer.start_span(
+        n.RUN,
+        context=Context(),
+        kind=SpanKind.INTERNAL,
+        attributes={**_CHAIN, n.ENGINE_CONFIG: engine_config, n.ENTRY: entry},
+    )
+    span.end()
 
 
 def step_span(

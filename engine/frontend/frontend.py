@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.frontend.input_processor import InputProcessor, PromptType
 from stepscope.engine.frontend.output_processor import OutputProcessor, RequestState
@@ -31,6 +33,7 @@ from stepscope.engine.models.loader import (
 from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
+from stepscope.traces.spans import run_span
 
 
 @dataclass(slots=True)
@@ -71,7 +74,11 @@ class Frontend:
             model_name or config.model_config.model,
             server=not config.offline,
             trace_content=config.observability_config.trace_content,
+            block_size=config.cache_config.block_size,
         )
+        # The configuration this run resolved to, once, for `stepscope trace replay`.
+        entry = names.ENTRY_OFFLINE if config.offline else names.ENTRY_SERVE
+        run_span(msgspec.json.encode(self.config).decode(), entry)
         self.requests: dict[str, InFlight] = {}  # by parent request id
         self._of_child: dict[str, InFlight] = {}  # the same requests, by child request id
 

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from stepscope.engine.frontend.detokenizer import IncrementalDetokenizer
 from stepscope.engine.messages import EngineCoreOutput, EngineCoreRequest
 from stepscope.engine.outputs import (
@@ -57,13 +59,20 @@ class OutputProcessor:
     """Detokenizes, stops on stop strings, times and traces every request in flight."""
 
     def __init__(
-        self, tokenizer: Any, model: str, *, server: bool = True, trace_content: bool = False
+        self,
+        tokenizer: Any,
+        model: str,
+        *,
+        server: bool = True,
+        trace_content: bool = False,
+        block_size: int = 16,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.server = server  # request spans are SERVER spans in a server, INTERNAL offline
         # The prompt and the generated text on the request span (`--trace-content`, opt-in).
         self.trace_content = trace_content
+        self.block_size = block_size  # the KV block size the prompt's block hashes are taken at
         self.request_states: dict[str, RequestState] = {}
 
     def has_unfinished_requests(self) -> bool:
@@ -96,6 +105,13 @@ class OutputProcessor:
             start_ns=int(request.arrival_time * 1e9),
             input_value=self._prompt_text(request, prompt) if self.trace_content else None,
         )
+        if span.recording:  # what a replay needs; hashing costs a few microseconds per block
+            span.record_prompt(
+                request.prompt_token_ids,
+                self.block_size,
+                msgspec.json.encode(msgspec.structs.asdict(params)).decode(),
+                content=self.trace_content,
+            )
         state = RequestState(
             request_id=request.request_id,
             prompt=prompt,

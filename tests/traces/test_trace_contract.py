@@ -14,7 +14,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "tracing.md"
 VIEW_COLUMNS = {
     "requests": "request_id, trace_id, span_id, model, operation, start_ns, end_ns, queued_ns, "
     "scheduled_ns, first_token_ns, finished_ns, queue_time_s, ttft_s, e2e_s, input_tokens, "
-    "output_tokens, cached_tokens, num_preemptions, finish_reason, dp_rank",
+    "output_tokens, cached_tokens, num_preemptions, finish_reason, dp_rank, prompt_block_hashes, "
+    "sampling_params, prompt_token_ids",
     "steps": "step, start_ns, end_ns, duration_s, num_running, num_waiting, num_decode_tokens, "
     "num_prefill_tokens, token_budget, kv_free_before, kv_free_after, kv_total_blocks, "
     "prefix_hit_tokens, waiting_reason, waiting_reason_count, kv_blocks_short, "
@@ -24,6 +25,7 @@ VIEW_COLUMNS = {
     "span_id, parent_span_id, service_name, rank, dp_rank",
     "step_requests": "step, request_id, num_tokens, start_ns, end_ns, dp_rank",
     "worker_steps": "step, rank, dp_rank, start_ns, end_ns, prepare_s, forward_s, sample_s",
+    "runs": "entry, block_size, engine_config, service_name, start_ns, trace_id, span_id",
 }
 
 

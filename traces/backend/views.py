@@ -1,9 +1,9 @@
 """The trace file's schema: the `spans` table and the views that read it, as SQL.
 
 Table `spans` holds one row per span (ids as lowercase hex, attributes/events/links/resource as
-JSON). The views `requests`, `steps`, `crossings`, `step_requests`, `worker_steps` and
-`dp_loads` are the contract the dashboard, CLI and tutorials read; docs/tracing.md lists their
-columns. `create_schema` makes both in a file opened for writing (`store.TraceStore`).
+JSON). The views `requests`, `steps`, `crossings`, `step_requests`, `worker_steps`,
+`dp_loads` and `runs` are the contract the dashboard, CLI and tutorials read; docs/tracing.md
+lists their columns. `create_schema` makes both in a file opened for writing (`store.TraceStore`).
 """
 
 from __future__ import annotations
@@ -110,8 +110,25 @@ SELECT
     {_num(n.NUM_CACHED_TOKENS)} AS cached_tokens,
     {_num(n.NUM_PREEMPTIONS)} AS num_preemptions,
     json_extract_string(attributes, '$."{n.GEN_AI_RESPONSE_FINISH_REASONS}"[0]') AS finish_reason,
-    {dp_rank_sql()} AS dp_rank
+    {dp_rank_sql()} AS dp_rank,
+    {_num(n.PROMPT_BLOCK_HASHES, "VARCHAR[]")} AS prompt_block_hashes,
+    CAST({_str(n.SAMPLING_PARAMS)} AS JSON) AS sampling_params,
+    {_num(n.PROMPT_TOKEN_IDS, "BIGINT[]")} AS prompt_token_ids
 FROM r
+""",
+    # One row per `stepscope.run` span: each front end (LLM, AsyncLLM; each API server) records
+    # the configuration it runs once, as it starts.
+    "runs": f"""
+SELECT
+    {_str(n.ENTRY)} AS entry,
+    CAST(json_extract(CAST({_str(n.ENGINE_CONFIG)} AS JSON), '$.cache_config.block_size')
+        AS INTEGER) AS block_size,
+    CAST({_str(n.ENGINE_CONFIG)} AS JSON) AS engine_config,
+    service_name,
+    start_ns,
+    trace_id,
+    span_id
+FROM spans WHERE name = '{n.RUN}'
 """,
     "steps": f"""
 SELECT

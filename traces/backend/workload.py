@@ -1,0 +1,174 @@
+"""A recorded run's workload, read back from its trace: what `stepscope trace replay` sends
+again and what `stepscope trace whatif` simulates.
+
+Each request's arrival offset, its time on the API side before and after the engine core, its
+lengths, prefix-cache hits, sampling parameters and the chained hashes of its prompt's full KV
+blocks (`stepscope.prompt_block_hashes`), plus the run's whole engine configuration and entry
+path (the `stepscope.run` span). `synthetic_prompts` turns the hashes back into token ids that
+share exactly the blocks the recorded prompts shared, so a replay meets the prefix cache as the
+recording did without the trace holding any prompt (the ids themselves are recorded only under
+`--trace-content`). Pure trace reading: nothing here imports the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from stepscope.traces import names as n
+from stepscope.traces.backend.source import Queryable, open_trace
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    """One request as its trace recorded it."""
+
+    request_id: str
+    arrival_s: float  # request span start, seconds after the first request's start
+    before_engine_s: float  # queued event - span start (API side, before the engine core)
+    after_engine_s: float  # span end - finished event
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int  # prefix-cache hit tokens as recorded
+    # One per FULL block of the prompt, chained: two prompts share their first k blocks exactly
+    # when their first k hashes are equal.
+    block_hashes: tuple[str, ...]
+    prompt_token_ids: tuple[int, ...] | None  # only where recorded under --trace-content
+    sampling: dict  # the request's SamplingParams fields as recorded
+    operation: str  # "chat" | "text_completion"
+    dp_rank: int
+    ttft_s: float | None
+    e2e_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A recorded run: its requests by arrival, its configuration and how requests came in."""
+
+    requests: tuple[RecordedRequest, ...]  # by arrival
+    engine_config: dict  # the recorded EngineConfig, msgspec.to_builtins form (nested parts)
+    entry: str  # "offline" | "serve"
+    block_size: int  # the block size the hashes were taken at
+
+
+# Read from the `spans` table, which every trace file has, so that a trace recorded before the
+# `stepscope.run` span existed is told apart from one that is no trace at all.
+_RUN = f"""
+SELECT json_extract_string(attributes, '$."{n.ENGINE_CONFIG}"') AS engine_config,
+       json_extract_string(attributes, '$."{n.ENTRY}"') AS entry
+FROM spans WHERE name = '{n.RUN}' ORDER BY start_ns LIMIT 1
+"""
+
+_REQUESTS = """
+SELECT request_id, start_ns, end_ns, queued_ns, finished_ns, input_tokens, output_tokens,
+       cached_tokens, prompt_block_hashes, CAST(sampling_params AS VARCHAR) AS sampling_params,
+       prompt_token_ids, operation, dp_rank, ttft_s, e2e_s
+FROM requests WHERE request_id IS NOT NULL
+ORDER BY start_ns, queued_ns NULLS LAST, span_id
+"""
+
+
+def load_workload(source: str | Queryable) -> Workload:
+    """The workload of a trace file, a running collector's URL, or an open `Queryable`. A trace
+    without the recorded configuration raises ValueError."""
+    if isinstance(source, str):
+        with open_trace(source) as opened:
+            return _load(opened, source)
+    return _load(source, "this trace")
+
+
+def _load(source: Queryable, label: str) -> Workload:
+    run = source.df(_RUN)
+    if run.empty or run.engine_config[0] is None:
+        raise ValueError(
+            f"{label} holds no recorded engine configuration (no {n.RUN} span): it was recorded "
+            "before replay existed; record it again with this version of stepscope"
+        )
+    config = json.loads(run.engine_config[0])
+    rows = source.df(_REQUESTS)
+    first_ns = int(rows.start_ns.min()) if len(rows) else 0
+    requests = tuple(_request(row, first_ns) for row in rows.to_dict("records"))
+    return Workload(
+        requests=requests,
+        engine_config=config,
+        entry=run.entry[0] or n.ENTRY_OFFLINE,
+        block_size=int(config["cache_config"]["block_size"]),
+    )
+
+
+def _request(row: dict[str, Any], first_ns: int) -> RecordedRequest:
+    start, end = int(row["start_ns"]), int(row["end_ns"])
+    queued, finished = _int(row["queued_ns"]), _int(row["finished_ns"])
+    ids = _seq(row["prompt_token_ids"])
+    sampling = row["sampling_params"]
+    return RecordedRequest(
+        request_id=str(row["request_id"]),
+        arrival_s=(start - first_ns) / 1e9,
+        before_engine_s=0.0 if queued is None else (queued - start) / 1e9,
+        after_engine_s=0.0 if finished is None else (end - finished) / 1e9,
+        input_tokens=_int(row["input_tokens"]) or 0,
+        output_tokens=_int(row["output_tokens"]) or 0,
+        cached_tokens=_int(row["cached_tokens"]) or 0,
+        block_hashes=tuple(str(h) for h in _seq(row["prompt_block_hashes"]) or ()),
+        prompt_token_ids=None if ids is None else tuple(int(t) for t in ids),
+        sampling=json.loads(sampling) if isinstance(sampling, str) else {},
+        operation=str(row["operation"] or n.OPERATION_TEXT_COMPLETION),
+        dp_rank=_int(row["dp_rank"]) or 0,
+        ttft_s=_float(row["ttft_s"]),
+        e2e_s=_float(row["e2e_s"]) or 0.0,
+    )
+
+
+def synthetic_prompts(workload: Workload, vocab_size: int) -> list[list[int]]:
+    """Token ids for every request, `input_tokens` long: the recorded ids where the trace holds
+    them, else ids made from the block hashes. Equal hashes give equal blocks of tokens, so the
+    prompts share exactly the full blocks the recorded ones shared; the partial last block, and
+    any block without a hash, is unique to its request. Ids are in [1, vocab_size)."""
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
+    size = workload.block_size
+    prompts = []
+    for index, req in enumerate(workload.requests):
+        recorded = req.prompt_token_ids
+        if recorded is not None and len(recorded) == req.input_tokens:
+            prompts.append(list(recorded))
+            continue
+        tokens: list[int] = []
+        for start in range(0, req.input_tokens, size):
+            length = min(size, req.input_tokens - start)
+            block = start // size
+            if length == size and block < len(req.block_hashes):
+                seed: str | int = int(req.block_hashes[block], 16)
+            else:
+                seed = f"{index}/{req.request_id}/{block}"  # no other request has this block
+            tokens += _block_tokens(seed, length, vocab_size)
+        prompts.append(tokens)
+    return prompts
+
+
+def _block_tokens(seed: str | int, length: int, vocab_size: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, vocab_size) for _ in range(length)]
+
+
+def _null(value: Any) -> bool:
+    """NULL as pandas gives it: None, NaN or NA."""
+    return value is None or (not isinstance(value, Sequence | np.ndarray) and bool(pd.isna(value)))
+
+
+def _seq(value: Any) -> Sequence | None:
+    return None if _null(value) else list(value)
+
+
+def _int(value: Any) -> int | None:
+    return None if _null(value) else int(value)
+
+
+def _float(value: Any) -> float | None:
+    return None if _null(value) else float(value)
