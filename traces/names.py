@@ -102,6 +102,13 @@ class RequestEvent(StrEnum):
     FIRST_TOKEN = "first_token"  # first token sampled
     PREEMPTED = "preempted"  # preempted (recompute); the count is NUM_PREEMPTIONS
     FINISHED = "finished"  # a stop condition hit, or aborted
+    # Waited past `long_wait_warning_s` in the engine core's queue (once per request), with
+    # WAITING_REASON (the head of the queue's), WAITED_S and, with kv_blocks, KV_BLOCKS_SHORT.
+    LONG_WAIT = "long_wait"
+
+
+# Attribute of the `long_wait` event: seconds waited since queued (or since the last preemption).
+WAITED_S = "stepscope.waited_s"
 
 
 # ---- engine step span ----------------------------------------------------------------------------
@@ -128,6 +135,13 @@ KV_BLOCKS_SHORT = "stepscope.kv_blocks_short"
 # The tokens the step's requests attend to: each scheduled request's KV length after the step
 # (computed tokens, prefix hits included, plus those scheduled now), summed over the step.
 NUM_CONTEXT_TOKENS = "stepscope.num_context_tokens"
+
+# ---- worker step span ----------------------------------------------------------------------------
+# The worker process's CPU time over the step (all its threads: the forward runs on several), and
+# on a CPU device the threads its forward could run at once (torch's threads, capped by the cores
+# the process may use). CPU time far below wall time x threads: the machine was busy elsewhere.
+CPU_TIME_NS = "stepscope.cpu_time_ns"
+NUM_THREADS = "stepscope.num_threads"
 
 # ---- DP coordinator publication span: int arrays, one entry per DP rank ------------------------
 DP_NUM_WAITING = "stepscope.dp_num_waiting"

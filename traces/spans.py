@@ -21,6 +21,7 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from time import process_time_ns
 from types import MappingProxyType
 from typing import Any
 
@@ -508,11 +509,28 @@ def dp_publish_span(
     span.end(end_time=end_ns)
 
 
+class WorkerStepSpan(_Scope):
+    """`stepscope.worker_step`: ends with the process's CPU time since it started (every thread's,
+    as the forward's OpenMP threads work for the step too; in an offline run, where every role
+    shares the process, the engine core's and API side's share of those moments as well)."""
+
+    __slots__ = ("_cpu_start_ns",)
+
+    def __init__(self, span: Span) -> None:
+        super().__init__(span)
+        self._cpu_start_ns = process_time_ns()
+
+    def end(self) -> None:
+        self.span.set_attribute(n.CPU_TIME_NS, process_time_ns() - self._cpu_start_ns)
+        self.span.end()
+
+
 def worker_step_span(
-    step: int, rank: int, carrier: Mapping[str, str] | None = None
-) -> _Scope | _Noop:
+    step: int, rank: int, carrier: Mapping[str, str] | None = None, num_threads: int | None = None
+) -> WorkerStepSpan | _Noop:
     """`stepscope.worker_step` on one worker: under the SchedulerOutput's context when it came
-    over a boundary (`carrier`), else under the current span (in-process executor)."""
+    over a boundary (`carrier`), else under the current span (in-process executor). It records
+    the process's CPU time over the step and, when given, the threads the forward could use."""
     state = _setup.state
     if state is None or state.sampling.off:
         return NOOP
@@ -537,4 +555,6 @@ def worker_step_span(
         kind=SpanKind.INTERNAL,
         attributes={**_CHAIN, n.STEP: step, n.RANK: rank},
     )
-    return _Scope(span)
+    if num_threads is not None:
+        span.set_attribute(n.NUM_THREADS, num_threads)
+    return WorkerStepSpan(span)

@@ -6,6 +6,7 @@ Sets up the device and threads, then hands each step to its ModelRunner.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,11 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 31)
 
 
+def cpu_threads() -> int:
+    """torch's intra-op threads, capped by the cores this process may run on."""
+    return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0))))
+
+
 class Worker:
     def __init__(
         self,
@@ -49,6 +55,9 @@ class Worker:
         else:
             keep_freed_memory()
         self.model_runner = ModelRunner(config, model_dir, rank, world_size, all_reduce)
+        # On a CPU, the threads a step's forward can run on at once: its CPU time beside its wall
+        # time times these tells a busy machine from a slow step (a GPU's steps wait on the GPU).
+        self.num_threads = cpu_threads() if not device.startswith("cuda") else None
 
     def determine_num_kv_blocks(self) -> int:
         return self.model_runner.determine_num_kv_blocks()
@@ -70,7 +79,9 @@ class Worker:
     ) -> ModelRunnerOutput:
         """One step, in its `stepscope.worker_step` span. `send_output` (a worker process's reply
         to the engine core) hands the output on inside that span, so the reply is the step's."""
-        with worker_step_span(scheduler_output.step, self.rank, scheduler_output.trace_context):
+        with worker_step_span(
+            scheduler_output.step, self.rank, scheduler_output.trace_context, self.num_threads
+        ):
             output = self.model_runner.execute_model(scheduler_output)
             if send_output is not None:
                 send_output(output)

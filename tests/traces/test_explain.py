@@ -21,7 +21,7 @@ from stepscope.traces.backend.explain import PARTS, explain, largest_part, slowe
 from stepscope.traces.backend.store import TraceStore
 from tests.server_utils import CLI, Server
 
-KEYS = {"request_id", "e2e_s", "parts", "queue_reasons", "shared", "preemptions",
+KEYS = {"request_id", "e2e_s", "parts", "queue_reasons", "shared", "cpu", "preemptions",
         "recomputed_tokens", "prefix_hit_tokens", "dp_rank", "summary"}  # fmt: skip
 
 

@@ -20,11 +20,12 @@ VIEW_COLUMNS = {
     "num_prefill_tokens, token_budget, kv_free_before, kv_free_after, kv_total_blocks, "
     "prefix_hit_tokens, waiting_reason, waiting_reason_count, kv_blocks_short, "
     "num_context_tokens, num_preempted, "
-    "num_finished, dp_rank, trace_id, span_id",
+    "num_finished, dp_rank, cpu_s, worker_s, num_threads, trace_id, span_id",
     "crossings": "boundary, side, message_type, bytes, num_requests, start_ns, end_ns, trace_id, "
     "span_id, parent_span_id, service_name, rank, dp_rank",
     "step_requests": "step, request_id, num_tokens, start_ns, end_ns, dp_rank",
-    "worker_steps": "step, rank, dp_rank, start_ns, end_ns, prepare_s, forward_s, sample_s",
+    "worker_steps": "step, rank, dp_rank, start_ns, end_ns, prepare_s, forward_s, sample_s, "
+    "cpu_s, num_threads",
     "runs": "entry, block_size, engine_config, service_name, start_ns, trace_id, span_id",
 }
 

@@ -16,13 +16,10 @@ import pandas as pd
 
 from stepscope.traces.backend import explain, export, queries
 from stepscope.traces.backend.source import TraceSource, open_trace
+from stepscope.traces.backend.units import format_seconds, format_table
 
-
-def _table(frame: pd.DataFrame) -> str:
-    if frame.empty:
-        return "  (none)"
-    text = frame.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
-    return "\n".join("  " + line for line in text.splitlines())
+# Every table prints through `format_table`: times with their unit, four significant digits.
+_table = format_table
 
 
 def _section(out: TextIO, title: str, body: str) -> None:
@@ -45,14 +42,14 @@ def trace_summary(path: str, out: TextIO | None = None) -> None:
     _section(out, title, _table(tables["steps"]))
     if several:
         _section(out, "work per DP rank", _table(ranks))
-    _section(out, "latency percentiles (seconds)", _table(tables["latency"]))
+    _section(out, "latency percentiles", _table(tables["latency"], seconds=LATENCY_COLUMNS))
     if not several:
         recent = recent.drop(columns="dp_rank")
     _section(out, "latest requests", _table(recent))
 
 
-def _fmt_s(value: Any) -> str:
-    return "-" if value is None else f"{value * 1e3:.2f} ms"
+LATENCY_COLUMNS = ("p50", "p90", "p99", "max")
+_fmt_s = format_seconds
 
 
 def trace_request(path: str, request_id: str, out: TextIO | None = None) -> int:
@@ -167,7 +164,7 @@ def trace_explain(
     parts = pd.DataFrame(
         {
             "part": [p.removesuffix("_s") for p in explain.PARTS],
-            "ms": [result["parts"][p] * 1e3 for p in explain.PARTS],
+            "time_s": [result["parts"][p] for p in explain.PARTS],
             "share": [f"{result['parts'][p] / e2e:.0%}" if e2e else "-" for p in explain.PARTS],
         }
     )
@@ -177,7 +174,7 @@ def trace_explain(
         reasons = pd.DataFrame(
             {
                 "reason": list(result["queue_reasons"]),
-                "ms": [s * 1e3 for s in result["queue_reasons"].values()],
+                "time_s": list(result["queue_reasons"].values()),
             }
         )
         _section(out, "queue time by reason", _table(reasons))
@@ -191,7 +188,8 @@ def trace_explain(
         f"{shared['other_decode_tokens']} decode (about {_fmt_s(shared['interference_s'])} of "
         "those steps' time)\n"
         f"  preemptions {result['preemptions']}, recomputed tokens "
-        f"{result['recomputed_tokens']}, prefix-cache hits {result['prefix_hit_tokens']} tokens",
+        f"{result['recomputed_tokens']}, prefix-cache hits {result['prefix_hit_tokens']} tokens"
+        + _cpu_line(result["cpu"]),
     )
     _section(out, "why", "  " + result["summary"])
     return 0
@@ -206,6 +204,22 @@ def _ask(path: str, question: Callable[[TraceSource], Any]) -> Any:
         except KeyError as error:
             print(error.args[0], file=sys.stderr)
             return None
+
+
+def _cpu_line(cpu: dict) -> str:
+    """The CPU its steps' worker got, measured, and whether that names a busy machine."""
+    if cpu["cpu_share"] is None:
+        return ""
+    verdict = (
+        "the machine was busy with something else"
+        if cpu["contention"]
+        else "no busy machine measured"
+    )
+    return (
+        f"\n  worker CPU {_fmt_s(cpu['cpu_s'])} in {_fmt_s(cpu['worker_s'])} of its steps on "
+        f"{cpu['num_threads']} threads: {cpu['cpu_share']:.0%} of what they could use, "
+        f"{cpu['cpu_cores']:.2f} cores ({verdict})"
+    )
 
 
 def _other_requests(shared: dict) -> str:
@@ -225,9 +239,9 @@ def trace_slowest(path: str, limit: int = 10, out: TextIO | None = None) -> int:
         rows.append(
             {
                 "request_id": r["request_id"],
-                "e2e_ms": r["e2e_s"] * 1e3,
+                "e2e_s": r["e2e_s"],
                 "largest": part.removesuffix("_s"),
-                "ms": seconds * 1e3,
+                "time_s": seconds,
                 "share": f"{seconds / r['e2e_s']:.0%}" if r["e2e_s"] else "-",
                 "cause": explain.cause(r),
             }

@@ -44,11 +44,19 @@ from stepscope.traces.backend.queries import (
     df,
 )
 from stepscope.traces.backend.source import Queryable
+from stepscope.traces.backend.units import format_seconds
 from stepscope.traces.backend.views import dp_rank_sql
 
 PARTS = ("before_engine_s", "queue_s", "prefill_s", "decode_s", "preempted_s", "after_engine_s")
 ARRIVED_DURING_STEP = "arrived_during_step"
 UNKNOWN = "unknown"
+# The machine, not the requests beside it, slowed a request's steps when their worker got under
+# half the CPU time its threads could have used AND under three quarters of one core. A CPU-bound
+# step keeps at least one thread running from start to end; the share alone would misjudge steps
+# whose small matmuls run on one thread (the tiny model uses 50% of 2 threads, about one core,
+# unhindered; far less of 16).
+CONTENTION_SHARE = 0.5
+CONTENTION_CORES = 0.75
 
 # When the request was preempted: the starts of the steps that preempted it (each names them);
 # with those steps not traced, the request span's event (it carries the last preemption only).
@@ -72,7 +80,7 @@ WITH counts AS (
     GROUP BY dp_rank, step, start_ns
 )
 SELECT s.step, s.start_ns, s.end_ns, s.own_start_ns, s.own_s, s.num_prefill_tokens,
-       s.num_decode_tokens,
+       s.num_decode_tokens, s.cpu_s, s.worker_s, s.num_threads,
        s.waiting_reason, s.kv_blocks_short, s.token_budget,
        coalesce(sr.num_requests, 0) AS num_requests, coalesce(sr.own_tokens, 0) AS own_tokens
 FROM ({STEPS_WITH_OWN_TIME}) s LEFT JOIN counts sr ON {STEP_JOIN}
@@ -84,7 +92,7 @@ ORDER BY s.start_ns
 def explain(source: Queryable, request_id: str | None = None) -> dict[str, Any]:
     """Why request `request_id` (default: the slowest by end-to-end time) took as long as it did.
 
-    Returns exactly: request_id, e2e_s, parts, queue_reasons, shared, preemptions,
+    Returns exactly: request_id, e2e_s, parts, queue_reasons, shared, cpu, preemptions,
     recomputed_tokens, prefix_hit_tokens, dp_rank, summary. Raises KeyError for an unknown id.
     """
     if request_id is None:
@@ -118,6 +126,7 @@ def explain(source: Queryable, request_id: str | None = None) -> dict[str, Any]:
         "parts": parts,
         "queue_reasons": _queue_reasons(steps, queued, scheduled),
         "shared": _shared(served, first, input_tokens - cached, scheduled, finished),
+        "cpu": _cpu(served),
         "preemptions": int(request["num_preemptions"] or 0),
         "recomputed_tokens": max(int(served["own_tokens"].sum()) - expected, 0)
         if len(served)
@@ -165,6 +174,10 @@ def cause(result: dict[str, Any]) -> str:
     if part == "queue_s":
         return max(result["queue_reasons"], key=result["queue_reasons"].get, default=UNKNOWN)
     if part in ("prefill_s", "decode_s"):
+        if result["cpu"]["contention"]:
+            cpu = result["cpu"]
+            return (f"machine busy (its worker got {cpu['cpu_share']:.0%} of its threads' CPU, "
+                    f"{cpu['cpu_cores']:.2f} of a core)")  # fmt: skip
         if not shared["other_requests_max"]:
             return "ran alone"
         return (f"shared with {_range(shared['other_requests_min'], shared['other_requests_max'])}"
@@ -299,9 +312,31 @@ def _shared(
     }
 
 
+def _cpu(served: pd.DataFrame) -> dict[str, Any]:
+    """The CPU the steps that ran the request got: their rank-0 worker's process CPU time
+    (`cpu_s`) against its wall time (`worker_s`) times the threads its forward could use, summed
+    over the steps that recorded all three (a GPU worker records no threads). `cpu_share` is the
+    CPU time over wall time x threads, `cpu_cores` over wall time (the cores' worth it got);
+    both None when no step recorded them. `contention`: both under their limits above."""
+    known = served.dropna(subset=["cpu_s", "worker_s", "num_threads"])
+    capacity = float((known["worker_s"] * known["num_threads"]).sum()) if len(known) else 0.0
+    if capacity <= 0:
+        return {"steps": 0, "cpu_s": None, "worker_s": None, "num_threads": None,
+                "cpu_share": None, "cpu_cores": None, "contention": False}  # fmt: skip
+    cpu_s, worker_s = float(known["cpu_s"].sum()), float(known["worker_s"].sum())
+    return {
+        "steps": len(known),
+        "cpu_s": round(cpu_s, 6),
+        "worker_s": round(worker_s, 6),
+        "num_threads": int(known["num_threads"].max()),
+        "cpu_share": round(cpu_s / capacity, 4),
+        "cpu_cores": round(cpu_s / worker_s, 4),
+        "contention": cpu_s / capacity < CONTENTION_SHARE and cpu_s / worker_s < CONTENTION_CORES,
+    }
+
+
 # ---- the sentence -------------------------------------------------------------------------------
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+_ms = format_seconds
 
 
 def _range(low: int, high: int) -> str:
@@ -324,8 +359,28 @@ def _step_words(step: Any) -> str:
     return f"step {int(step.step)}{cold}, which ran {ran} in {_ms(step.own_s)}"
 
 
+def _busy_words(cpu: dict[str, Any], again: bool = False) -> str:
+    """What was measured when the steps got too little CPU ('' when they did not); `again`: the
+    sentence before said it already."""
+    if not cpu["contention"]:
+        return ""
+    if again:
+        return "on the same busy machine"
+    threads = _plural(cpu["num_threads"], "thread")
+    return (f"slowed by the machine, which was busy with something else: its worker got "
+            f"{cpu['cpu_share']:.0%} of the CPU time its {threads} could have used in those "
+            f"steps ({cpu['cpu_cores']:.2f} of a core, measured), so the steps were slow, not "
+            "the requests beside it")  # fmt: skip
+
+
 def _part_sentence(
-    name: str, r: dict[str, Any], steps: pd.DataFrame, queued: int, inputs: int, outputs: int
+    name: str,
+    r: dict[str, Any],
+    steps: pd.DataFrame,
+    queued: int,
+    inputs: int,
+    outputs: int,
+    again: bool = False,
 ) -> str:
     seconds = r["parts"][name]
     share = f"{_ms(seconds)} ({seconds / r['e2e_s']:.0%})" if r["e2e_s"] > 0 else _ms(seconds)
@@ -346,15 +401,21 @@ def _part_sentence(
             UNKNOWN: "of steps not in the trace",
         }
         return f"waited {share} in the queue because {waits.get(reason, reason)}"
+    busy = _busy_words(r["cpu"], again)
     if name == "prefill_s":
         chunks = shared["prefill_steps"]
+        if busy:
+            return (f"spent {share} in prefill: {inputs - r['prefix_hit_tokens']} prompt tokens "
+                    f"in {_plural(chunks, 'step')}, {busy}")  # fmt: skip
         return (f"spent {share} in prefill: {inputs - r['prefix_hit_tokens']} prompt tokens in "
                 f"{_plural(chunks, 'step')}, sharing them with "
                 f"{shared['other_prefill_tokens'] + shared['other_decode_tokens']} tokens of "
                 "other requests")  # fmt: skip
     if name == "decode_s":
         text = f"spent {share} decoding {_plural(outputs, 'token')}"
-        if shared["decode_steps"] and not shared["other_requests_max"]:
+        if busy:
+            text += f" in {_plural(shared['decode_steps'], 'step')}, {busy}"
+        elif shared["decode_steps"] and not shared["other_requests_max"]:
             text += f" in {shared['decode_steps']} steps of its own"
         elif shared["decode_steps"]:
             text += (f" in {shared['decode_steps']} steps shared with "
@@ -377,5 +438,6 @@ def _summary(r: dict[str, Any], steps: pd.DataFrame, queued: int, inputs: int, o
     text = f"{r['request_id']} took {_ms(r['e2e_s'])}: it {first}."
     second = ranked[1]
     if r["e2e_s"] > 0 and r["parts"][second] / r["e2e_s"] >= 0.15:
-        text += f" Then it {_part_sentence(second, r, steps, queued, inputs, outputs)}."
+        again = {ranked[0], second} <= {"prefill_s", "decode_s"}
+        text += f" Then it {_part_sentence(second, r, steps, queued, inputs, outputs, again)}."
     return text

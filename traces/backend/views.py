@@ -80,6 +80,16 @@ def _array_len(key: str) -> str:
     return f"""coalesce(json_array_length(attributes, '$."{key}"'), 0)"""
 
 
+# The rank-0 worker's step (the rank that replies), for the `steps` view: its process CPU time,
+# its wall time and the threads its forward could use, joined by the step's trace and index.
+_RANK0_WORKER_STEPS = f"""
+SELECT trace_id AS worker_trace_id, {_num(n.STEP)} AS worker_step,
+       {_num(n.CPU_TIME_NS)} / 1e9 AS cpu_s, duration_ns / 1e9 AS worker_s,
+       {_num(n.NUM_THREADS, "INTEGER")} AS num_threads
+FROM spans
+WHERE name = '{n.WORKER_STEP}' AND coalesce({_num(n.RANK, "INTEGER")}, rank) = 0
+"""
+
 VIEWS = {
     "requests": f"""
 WITH r AS (
@@ -152,9 +162,15 @@ SELECT
     {_array_len(n.PREEMPTED_IDS)} AS num_preempted,
     {_array_len(n.FINISHED_IDS)} AS num_finished,
     {dp_rank_sql()} AS dp_rank,
+    w.cpu_s,
+    w.worker_s,
+    w.num_threads,
     trace_id,
     span_id
-FROM spans WHERE name = '{n.ENGINE_STEP}'
+FROM spans
+LEFT JOIN ({_RANK0_WORKER_STEPS}) w
+    ON w.worker_trace_id = spans.trace_id AND w.worker_step = {_num(n.STEP)}
+WHERE name = '{n.ENGINE_STEP}'
 """,
     "crossings": f"""
 SELECT
@@ -196,7 +212,9 @@ SELECT
     w.end_ns,
     sum(c.duration_ns) FILTER (WHERE c.name = '{n.PREPARE_INPUTS}') / 1e9 AS prepare_s,
     sum(c.duration_ns) FILTER (WHERE c.name = '{n.FORWARD}') / 1e9 AS forward_s,
-    sum(c.duration_ns) FILTER (WHERE c.name = '{n.SAMPLE}') / 1e9 AS sample_s
+    sum(c.duration_ns) FILTER (WHERE c.name = '{n.SAMPLE}') / 1e9 AS sample_s,
+    {_num(n.CPU_TIME_NS, column="w.attributes")} / 1e9 AS cpu_s,
+    {_num(n.NUM_THREADS, "INTEGER", column="w.attributes")} AS num_threads
 FROM spans w
 LEFT JOIN spans c ON c.parent_span_id = w.span_id AND c.trace_id = w.trace_id
 WHERE w.name = '{n.WORKER_STEP}'
