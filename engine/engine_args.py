@@ -58,6 +58,51 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
     return EngineConfig.create(**{**flat, **overrides})
 
 
+def parse_engine_option(name: str, text: str) -> Any:
+    """`NAME=TEXT` (`stepscope trace replay --set`) as the value `--NAME TEXT` would give: an
+    unknown name is refused with the nearest one, a value its type cannot take by the name."""
+    fields = {f.name: f for part in PARTS.values() for f in _user_fields(part)}
+    if name not in fields:
+        raise ValueError(unknown_name_message(name, list(fields)))
+    f = fields[name]
+    base, choices = option_type(f.type)
+    if text.lower() == "none" and _takes_none(f.type):
+        return None
+    if base is bool:
+        if text.lower() in ("true", "on", "yes", "1"):
+            return True
+        if text.lower() in ("false", "off", "no", "0"):
+            return False
+        raise ValueError(f"{name} takes true or false, got {text!r}")
+    try:
+        value = base(text)
+    except ValueError:
+        raise ValueError(f"{name} takes {base.__name__} values, got {text!r}") from None
+    if choices and value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {allowed}, got {text!r}")
+    return value
+
+
+def engine_flags(options: dict[str, Any]) -> list[str]:
+    """The command line that asks for these engine options (flat names), every one spelled
+    out, whatever the command's defaults: the inverse of `engine_config_from_args`."""
+    flags: list[str] = []
+    for part in PARTS.values():
+        for f in _user_fields(part):
+            if f.name not in options:
+                continue
+            value, flag = options[f.name], "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            elif value is None:
+                if f.default is not None and _takes_none(f.type):
+                    flags += [flag, "none"]  # an option whose None means something
+            else:
+                flags += [flag, str(value)]
+    return flags
+
+
 def _user_fields(part: type[msgspec.Struct]) -> list[msgspec.structs.FieldInfo]:
     docs = option_docs(part)
     return [f for f in msgspec.structs.fields(part) if f.name in docs]

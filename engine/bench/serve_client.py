@@ -13,6 +13,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import httpx
@@ -240,9 +241,15 @@ class CompletionStreams:
 
 
 async def stream_completion(
-    streams: CompletionStreams, model: str, index: int, prompt: list[int], max_tokens: int
+    streams: CompletionStreams,
+    model: str,
+    index: int,
+    prompt: list[int],
+    max_tokens: int,
+    sampling: dict[str, Any] | None = None,
 ) -> RequestResult:
-    """One streamed completion; every failure is recorded in the result, never raised."""
+    """One streamed completion, greedy unless `sampling` (more body fields: `temperature`,
+    `seed`, ...) says otherwise; every failure is recorded in the result, never raised."""
     body = {
         "model": model,
         "prompt": prompt,  # token ids, so the prompt length is exact
@@ -251,6 +258,7 @@ async def stream_completion(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(sampling or {}),
     }
     res = RequestResult(index, len(prompt))
     chunk_times: list[float] = []

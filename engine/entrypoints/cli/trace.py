@@ -40,6 +40,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-o", "--output", required=True, help="the file to write, e.g. run.json")
     p.set_defaults(func=_trace_export)
+    _register_replay(trace_sub)
+
+
+def _register_replay(trace_sub: argparse._SubParsersAction) -> None:
+    p = trace_sub.add_parser(
+        "replay",
+        help="run a recorded workload again on a fresh engine, settings changed, into a new trace",
+        description="Send the recorded requests again, each at its recorded offset with its "
+        "recorded prompt length, shared prefixes, sampling parameters and output length, to a "
+        "fresh engine running the recorded configuration with only the --set options changed, "
+        "through the recorded entry path (an offline run through LLM here, a served run through "
+        "a stepscope serve started here and stopped at the end), recording a new trace at -o.",
+    )
+    p.add_argument("path", metavar="TRACE", help=TRACE)
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine option to change, by its EngineConfig name (max_num_batched_tokens, "
+        "max_num_seqs, num_kv_blocks, enable_prefix_caching, ...); repeat for several",
+    )
+    p.add_argument("-o", "--output", help="the new trace file (required unless --url)")
+    p.add_argument(
+        "--url",
+        help="replay against this running server instead: nothing is started, its settings "
+        "stay as they are (no --set), and the replayed requests are recorded in that server's "
+        "own trace file (its --trace-db), not in -o",
+    )
+    p.add_argument("--api-key", default=None, help="with --url: 'Authorization: Bearer KEY'")
+    p.set_defaults(func=_trace_replay)
 
 
 def _trace_summary(args: argparse.Namespace) -> None:
@@ -70,3 +102,9 @@ def _trace_export(args: argparse.Namespace) -> None:
     from stepscope.traces.backend.cli import trace_export
 
     trace_export(args.path, args.output, args.format)
+
+
+def _trace_replay(args: argparse.Namespace) -> int:
+    from stepscope.engine.bench.replay import trace_replay
+
+    return trace_replay(args)
