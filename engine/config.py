@@ -256,6 +256,10 @@ class ObservabilityConfig(_Part):
     trace_content: bool = False
     """Put each request's prompt and generated text on its span (input.value, output.value);
     off by default, as prompts can be private."""
+    long_wait_warning_s: float | None = 30.0
+    """Once a request has waited this many seconds in the engine core's queue, say so once: a
+    warning line naming the reason the scheduler recorded for the head of the queue, and a
+    long_wait event on its request span; none: never."""
 
 
 PARTS: dict[str, type[msgspec.Struct]] = {
@@ -425,6 +429,9 @@ def _validated(c: EngineConfig) -> EngineConfig:
     from stepscope.traces.setup import TraceSampling
 
     TraceSampling(o.trace_steps)  # raises ValueError on a malformed --trace-steps
+    wait = o.long_wait_warning_s
+    if wait is not None and not wait > 0:
+        raise ValueError(f"long_wait_warning_s must be positive (none: never warn), got {wait}")
     return c.replace(scheduler_config=s)
 
 

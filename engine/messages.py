@@ -91,8 +91,17 @@ class Logprob(msgspec.Struct, array_like=True):
     logprobs: list[float]
 
 
+class LongWait(msgspec.Struct, array_like=True):
+    """The engine core's word that a request has waited past `long_wait_warning_s`."""
+
+    waited_s: float  # since it was queued, or since its last preemption
+    reason: str  # why the head of the waiting queue was held back (`StepStats.waiting_reason`)
+    kv_blocks_short: int = 0  # with "kv_blocks": how many free blocks the head lacked
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's news from one step: token ids, never text."""
+    """One request's news from one step: token ids, never text. With `long_wait` it is a
+    notice only (no tokens; `events` holds `long_wait`), which the API side puts on the span."""
 
     request_id: str
     new_token_ids: list[int]
@@ -104,6 +113,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     # With the first token: one Logprob per prompt position from 1 on (prompt token first).
     prompt_logprobs: list[Logprob] = []
+    long_wait: LongWait | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -112,6 +112,7 @@ class ServerMetrics:
         engine_gauge(
             "stepscope:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"
         )
+        lines.extend(_waiting_by_reason(lb, stats))
         metric(
             "stepscope:num_requests_in_flight",
             "gauge",
@@ -179,3 +180,21 @@ class ServerMetrics:
         steps.count = int(stats["num_busy_steps"])
         lines.extend(steps.render(lb))
         return "\n".join(lines) + "\n"
+
+
+def _waiting_by_reason(labels: str, stats: dict) -> list[str]:
+    """`stepscope:num_requests_waiting_by_reason`: the waiting requests each reason held back at
+    the latest step (`reason`: budget, max_num_seqs, kv_blocks, preempted, as `trace explain`
+    names them), one series per reason and, with DP > 1, per rank (`engine="R"`)."""
+    name = "stepscope:num_requests_waiting_by_reason"
+    ranks = stats.get("ranks")
+    lines = [
+        f"# HELP {name} Waiting requests held back at the latest step, by why the head of the "
+        f"waiting queue was not admitted{' (per DP rank)' if ranks else ''}.",
+        f"# TYPE {name} gauge",
+    ]
+    for rank, rank_stats in enumerate(ranks) if ranks else [(None, stats)]:
+        engine = "" if rank is None else f',engine="{rank}"'
+        for reason, count in rank_stats["num_waiting_by_reason"].items():
+            lines.append(f'{name}{{{labels}{engine},reason="{reason}"}} {count}')
+    return lines

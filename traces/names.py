@@ -102,6 +102,13 @@ class RequestEvent(StrEnum):
     FIRST_TOKEN = "first_token"  # first token sampled
     PREEMPTED = "preempted"  # preempted (recompute); the count is NUM_PREEMPTIONS
     FINISHED = "finished"  # a stop condition hit, or aborted
+    # Waited past `long_wait_warning_s` in the engine core's queue (once per request), with
+    # WAITING_REASON (the head of the queue's), WAITED_S and, with kv_blocks, KV_BLOCKS_SHORT.
+    LONG_WAIT = "long_wait"
+
+
+# Attribute of the `long_wait` event: seconds waited since queued (or since the last preemption).
+WAITED_S = "stepscope.waited_s"
 
 
 # ---- engine step span ----------------------------------------------------------------------------

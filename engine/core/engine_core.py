@@ -21,8 +21,9 @@ from opentelemetry.trace import SpanContext
 
 from stepscope.engine.config import Endpoints, EngineConfig, check_no_chunk_budget
 from stepscope.engine.core.kv_cache_manager import KVCacheManager
+from stepscope.engine.core.long_wait import LongWaitWatch
 from stepscope.engine.core.request import Request, RequestStatus
-from stepscope.engine.core.scheduler import Scheduler
+from stepscope.engine.core.scheduler import WAITING_REASONS, Scheduler
 from stepscope.engine.executor.abstract import Executor
 from stepscope.engine.executor.uniproc_executor import UniProcExecutor
 from stepscope.engine.messages import (
@@ -150,6 +151,11 @@ class EngineCore:
         self.step_tokens = Histogram(
             "stepscope:tokens_per_step", "Tokens scheduled per step.", TOKENS_PER_STEP_BUCKETS
         )
+        p = config.parallel_config
+        self.long_waits = LongWaitWatch(
+            config.observability_config.long_wait_warning_s,
+            f" (DP rank {p.data_parallel_rank})" if p.data_parallel_size > 1 else "",
+        )
 
     def add_request(self, request: EngineCoreRequest, queued_time: float | None = None) -> None:
         """Queue a request. `queued_time` is when this process received it (default: now): the
@@ -178,6 +184,13 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
+        """One turn of the engine (`_step`), plus a notice for each request that has newly
+        waited past `long_wait_warning_s` (long_wait.py)."""
+        outputs = self._step()
+        outputs.outputs.extend(self.long_waits.check(self.scheduler, time.time()))
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         """Schedule a step and send it to the executor; then, once `batch_queue_size` steps
         are out (or nothing more can be scheduled), wait for the oldest one's output and update
         from it. With one step at a time that is schedule -> execute -> update. With async
@@ -270,6 +283,7 @@ class EngineCore:
             "trace_spans_dropped": dropped_spans(),  # by this process's exporters
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
+            "num_waiting_by_reason": self._waiting_by_reason(),
             "kv_cache_usage": kv.usage,
             "num_kv_blocks": self.num_kv_blocks,
             "num_free_blocks": kv.num_free_blocks,
@@ -286,6 +300,16 @@ class EngineCore:
                 else {}
             ),
         }
+
+    def _waiting_by_reason(self) -> dict[str, int]:
+        """How many waiting requests each reason held back at the latest step: first come,
+        first served, the head's reason holds back all of them (explain.py reads the same).
+        Those that left the queue since are not counted; those that arrived since wait for the
+        running step and have no reason yet."""
+        s = self.scheduler
+        stats = s.last_stats
+        held = min(stats.num_waiting, len(s.waiting))
+        return {reason: held if reason == stats.waiting_reason else 0 for reason in WAITING_REASONS}
 
     def processes(self) -> list[ProcessInfo]:
         """This process (the engine core) and the worker processes of a multiprocess executor

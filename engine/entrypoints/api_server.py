@@ -73,6 +73,7 @@ def build_app(
         app.state.s = ServerState(
             engine, model_name, options.api_key, options.max_queued_requests,
             ServerMetrics(model_name, api_server),
+            per_request_metrics=options.enable_per_request_metrics,
         )  # fmt: skip
         app.state.process_list = process_list or engine.processes
         try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from stepscope.engine.entrypoints.protocol import now
-from stepscope.engine.outputs import RequestOutput
+from stepscope.engine.outputs import RequestMetrics, RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
 
@@ -74,6 +74,36 @@ def joined(parts: Sequence[Increment]) -> Increment:
         logprobs=[lp for p in parts for lp in p.logprobs],
         finish_reason=parts[-1].finish_reason,
     )
+
+
+def timing_metrics(m: RequestMetrics | None, num_generation_tokens: int) -> dict[str, Any]:
+    """vLLM's per-request `metrics` object (`--enable-per-request-metrics`), from the request's
+    own timeline: the engine core's queued, scheduled and first-token events and its finish
+    (the last token). As vLLM's `build_per_request_timing_metrics` (PR #46768;
+    docs/features/per_request_metrics.md): TTFT counts from the first scheduling, not from
+    arrival; `generation_time_ms` is first to last token; `tokens_per_second` is every
+    generated token over scheduling to last token. A field whose times are unknown is None."""
+    queued = scheduled = first = last = None
+    if m is not None:
+        queued, scheduled = m.queued_time, m.first_scheduled_time
+        first, last = m.first_token_time, m.finished_time
+
+    def ms(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else (b - a) * 1000
+
+    generation_ms = ms(first, last)
+    inference_ms = ms(scheduled, last)
+    return {
+        "time_to_first_token_ms": ms(scheduled, first),
+        "generation_time_ms": generation_ms,
+        "queue_time_ms": ms(queued, scheduled),
+        "mean_itl_ms": generation_ms / (num_generation_tokens - 1)
+        if generation_ms is not None and num_generation_tokens > 1
+        else None,
+        "tokens_per_second": num_generation_tokens / inference_ms * 1000
+        if inference_ms is not None and inference_ms > 0
+        else None,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

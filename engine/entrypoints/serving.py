@@ -27,6 +27,7 @@ from stepscope.engine.entrypoints.openai_responses import (
     Responses,
     increments,
     joined,
+    timing_metrics,
     usage,
 )
 from stepscope.engine.entrypoints.protocol import APIError, error_body, new_id, now
@@ -34,7 +35,7 @@ from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.engine.frontend.engine_group import EngineDeadError
 from stepscope.engine.frontend.input_processor import PromptType
 from stepscope.engine.metrics import ServerMetrics
-from stepscope.engine.outputs import RequestOutput
+from stepscope.engine.outputs import RequestMetrics, RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -42,16 +43,21 @@ T = TypeVar("T")
 
 class ServerOptions(msgspec.Struct, frozen=True):
     """One API server's own settings, from `serve`'s flags beside the engine's: the model name
-    it answers to, its API key, how many requests it holds, how far it lowers its priority."""
+    it answers to, its API key, how many requests it holds, how far it lowers its priority,
+    whether responses carry vLLM's per-request `metrics` object."""
 
     model_name: str
     api_key: str | None = None
     max_queued_requests: int = 256
     niceness: int = 0
+    enable_per_request_metrics: bool = False
 
     @classmethod
     def from_args(cls, args: Any, model_name: str) -> ServerOptions:
-        return cls(model_name, args.api_key, args.max_queued_requests, args.api_server_niceness)
+        return cls(
+            model_name, args.api_key, args.max_queued_requests, args.api_server_niceness,
+            args.enable_per_request_metrics,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -62,6 +68,7 @@ class ServerState:
     max_queued_requests: int
     metrics: ServerMetrics
     in_flight: int = 0
+    per_request_metrics: bool = False  # `--enable-per-request-metrics`
 
 
 async def serve(
@@ -103,14 +110,17 @@ async def serve(
     # Reserve the slots now, before any await, so concurrent handlers see each other.
     slot = _Slot(s, num_requests)
     outputs = _merged(s, streams, slot)
+    # vLLM's per-request `metrics`: only when the server was asked for them, and null for a
+    # response that is not one generation stream (n > 1, several prompts).
+    timing = None if not s.per_request_metrics else num_requests == 1
     if stream:
         return StreamingResponse(
-            _sse(responses, response_id, outputs, include_usage, params.n),
+            _sse(responses, response_id, outputs, include_usage, params.n, timing),
             media_type="text/event-stream",
             background=BackgroundTask(slot.release),
         )
     try:
-        return await _full(request, responses, response_id, outputs, params.n)
+        return await _full(request, responses, response_id, outputs, params.n, timing)
     finally:
         slot.release()
 
@@ -216,12 +226,15 @@ async def _full(
     response_id: str,
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     n: int,
+    timing: bool | None = None,
 ) -> dict:
     parts: dict[int, list[Increment]] = {}  # by choice
     seen: set[int] = set()
+    timeline = None
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
         async for prompt_index, out in _race(outputs, watcher):
+            timeline = out.metrics
             for part in increments(prompt_index, out, n, seen):
                 parts.setdefault(part.index, []).append(part)
     except APIError:
@@ -230,7 +243,18 @@ async def _full(
         raise _engine_error(e) from e
     finally:
         watcher.cancel()
-    return responses.response(response_id, [joined(p) for p in parts.values()])
+    body = responses.response(response_id, [joined(p) for p in parts.values()])
+    _add_metrics(body, timing, timeline, body["usage"]["completion_tokens"])
+    return body
+
+
+def _add_metrics(
+    body: dict, timing: bool | None, timeline: RequestMetrics | None, num_tokens: int
+) -> None:
+    """`timing` None: no `metrics` key (the server was not asked for them); False: null (not
+    one generation stream); True: the request's timing (openai_responses.timing_metrics)."""
+    if timing is not None:
+        body["metrics"] = timing_metrics(timeline, num_tokens) if timing else None
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -265,14 +289,18 @@ async def _sse(
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     include_usage: bool,
     n: int,
+    timing: bool | None = None,
 ) -> AsyncIterator[str]:
-    """One chunk per increment of a choice, then the usage (with `include_usage`) and [DONE]."""
+    """One chunk per increment of a choice, then the usage (with `include_usage`; and there, as
+    vLLM does, the per-request `metrics`) and [DONE]."""
     created = now()
     prompt_tokens: dict[int, int] = {}  # by prompt
     num_tokens: dict[int, int] = {}  # by choice: the generated tokens its chunks reported
     seen: set[int] = set()
+    timeline = None
     try:
         async for prompt_index, out in outputs:
+            timeline = out.metrics
             prompt_tokens[prompt_index] = len(out.prompt_token_ids)
             for part in increments(prompt_index, out, n, seen):
                 choice, num = responses.delta(part)
@@ -289,5 +317,7 @@ async def _sse(
         await outputs.aclose()
     if include_usage:
         total = usage(sum(prompt_tokens.values()), sum(num_tokens.values()))
-        yield _event(responses.chunk(response_id, created, [], include_usage, total))
+        body = responses.chunk(response_id, created, [], include_usage, total)
+        _add_metrics(body, timing, timeline, total["completion_tokens"])
+        yield _event(body)
     yield "data: [DONE]\n\n"

@@ -24,6 +24,7 @@ from stepscope.engine.outputs import (
     RequestOutput,
     prompt_logprobs_of,
 )
+from stepscope.traces import names
 from stepscope.traces.names import RequestEvent
 from stepscope.traces.spans import request_span
 
@@ -139,6 +140,11 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue
+            if out.long_wait is not None:  # a notice, no tokens: onto the span, not to the caller
+                state.span.event(
+                    RequestEvent.LONG_WAIT, out.events.get(RequestEvent.LONG_WAIT), _long_wait(out)
+                )
+                continue
             stopped_here = self._update(state, out)
             if stopped_here:
                 reqs_to_abort.append(out.request_id)
@@ -240,6 +246,15 @@ def _request_output(
         num_cached_tokens=num_cached_tokens,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _long_wait(out: EngineCoreOutput) -> dict[str, Any]:
+    """The `long_wait` event's attributes (names.RequestEvent.LONG_WAIT)."""
+    lw = out.long_wait
+    attributes: dict[str, Any] = {names.WAITING_REASON: lw.reason, names.WAITED_S: lw.waited_s}
+    if lw.reason == "kv_blocks":
+        attributes[names.KV_BLOCKS_SHORT] = lw.kv_blocks_short
+    return attributes
 
 
 def _logprobs(out: EngineCoreOutput) -> list[dict[int, float]]:

@@ -55,6 +55,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "on a small CPU they do not preempt its forward (e.g. 10; default 0: unchanged)",
     )
     p.add_argument(
+        "--enable-per-request-metrics",
+        action="store_true",
+        help="add vLLM's per-request `metrics` object (queue time, TTFT, decode time, mean ITL, "
+        "tokens/s) to completion and chat responses (streamed: to the final usage chunk)",
+    )
+    p.add_argument(
         "--dashboard-port",
         type=int,
         default=None,
