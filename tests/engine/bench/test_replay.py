@@ -25,7 +25,7 @@ from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names as n
 from stepscope.traces.backend.store import TraceStore
 from stepscope.traces.backend.workload import RecordedRequest, load_workload
-from tests.server_utils import Server
+from tests.server_utils import API_KEY, Server
 
 SHARED = "The quick brown fox jumps over the lazy dog. " * 6  # 60 tokens: three full blocks
 ENGINE = {"num_kv_blocks": 64, "max_num_batched_tokens": 32, "max_num_seqs": 8}
@@ -159,24 +159,46 @@ def test_served_replay_starts_a_server_and_reproduces_the_recorded_run(
     assert process_tree.wait_gone(timeout=30) == []  # the replay's server stopped cleanly
 
 
+def test_url_replay_sends_the_workload_to_a_running_server(server, tmp_path, capsys):
+    # Three requests a quarter of a second apart; the second with its prompt ids recorded
+    # (--trace-content), the third sharing the first one's first block.
+    sampling = msgspec.json.encode(msgspec.structs.asdict(SamplingParams(temperature=0.5, seed=3)))
+    requests = [
+        {n.GEN_AI_USAGE_INPUT_TOKENS: 40, n.GEN_AI_USAGE_OUTPUT_TOKENS: 3,
+         n.PROMPT_BLOCK_HASHES: ["aa", "bb"]},
+        {n.GEN_AI_USAGE_INPUT_TOKENS: 5, n.GEN_AI_USAGE_OUTPUT_TOKENS: 4,
+         n.PROMPT_BLOCK_HASHES: [], n.PROMPT_TOKEN_IDS: [11, 12, 13, 14, 15]},
+        {n.GEN_AI_USAGE_INPUT_TOKENS: 20, n.GEN_AI_USAGE_OUTPUT_TOKENS: 2,
+         n.PROMPT_BLOCK_HASHES: ["aa"]},
+    ]  # fmt: skip
+    for attributes in requests:
+        attributes[n.SAMPLING_PARAMS] = sampling.decode()
+    trace = _trace_with_run(tmp_path / "run.duckdb", requests, entry=n.ENTRY_SERVE)
+    main(["trace", "replay", trace, "--url", server.url, "--api-key", API_KEY])  # exit 0
+    out = capsys.readouterr().out
+    assert "replayed 3 requests (served" in out and "the server's own trace file" in out
+
+
 # ---- the pieces -----------------------------------------------------------------------------
-def _trace_with_run(path: Path) -> str:
-    """A trace file holding only a `stepscope.run` span, as `LLM` records it."""
+def _span(name: str, index: int, start_ns: int, attributes: dict) -> dict:
+    return dict(
+        trace_id=f"{index:032x}", span_id=f"{index:016x}", name=name, start_ns=start_ns,
+        end_ns=start_ns + 10**8, duration_ns=10**8, attributes=attributes,
+    )  # fmt: skip
+
+
+def _trace_with_run(path: Path, requests: tuple[dict, ...] | list[dict] = (), entry=None) -> str:
+    """A trace file holding a `stepscope.run` span, as `LLM` records it, and a request span
+    with each of `requests`' attributes, a quarter of a second apart."""
     config = msgspec.json.encode(EngineConfig.create(model="tiny-llama")).decode()
+    run = {n.ENGINE_CONFIG: config, n.ENTRY: entry or n.ENTRY_OFFLINE}
+    spans = [_span(n.RUN, 1, 0, run)]
+    for i, attributes in enumerate(requests):
+        spans.append(
+            _span(n.REQUEST, i + 2, 10**9 + i * 250_000_000, {n.REQUEST_ID: f"r{i}", **attributes})
+        )
     store = TraceStore(path)
-    store.insert_spans(
-        [
-            {
-                "trace_id": "1" * 32,
-                "span_id": "2" * 16,
-                "name": n.RUN,
-                "start_ns": 0,
-                "end_ns": 0,
-                "duration_ns": 0,
-                "attributes": {n.ENGINE_CONFIG: config, n.ENTRY: n.ENTRY_OFFLINE},
-            }
-        ]  # fmt: skip
-    )
+    store.insert_spans(spans)
     store.close()
     return str(path)
 
