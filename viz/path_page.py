@@ -17,6 +17,7 @@ from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Span
 
 from stepscope.traces.backend import explain, queries
 from stepscope.traces.backend.source import TraceSource
+from stepscope.traces.backend.units import format_seconds
 from stepscope.traces.names import RequestEvent
 from stepscope.viz.charts import interval_bars
 from stepscope.viz.request_path import (
@@ -29,6 +30,7 @@ from stepscope.viz.ui import (
     COLORS,
     CSS,
     NO_TRACE,
+    PART_COLORS,
     bokeh_pane,
     cards,
     fmt_ms,
@@ -39,14 +41,17 @@ from stepscope.viz.ui import (
 
 MAX_REQUESTS = 5000  # requests offered in the picker (the most recent)
 # The parts of a request's end-to-end time, in the request path's order, as "Why this long" draws
-# them.
+# them (and its legend names them), each in its own colour.
 PART_LABELS = {
-    "before_engine_s": ("before the engine", COLORS["api"]),
-    "queue_s": ("queue", COLORS["waiting"]),
-    "prefill_s": ("prefill", COLORS["prefill"]),
-    "decode_s": ("decode", COLORS["decode"]),
-    "preempted_s": ("preempted", COLORS["preempt"]),
-    "after_engine_s": ("after the engine", COLORS["crossing"]),
+    part: (label, PART_COLORS[part])
+    for part, label in (
+        ("before_engine_s", "before the engine"),
+        ("queue_s", "queue"),
+        ("prefill_s", "prefill"),
+        ("decode_s", "decode"),
+        ("preempted_s", "preempted"),
+        ("after_engine_s", "after the engine"),
+    )
 }
 STAGE_KIND = {
     1: "api",
@@ -292,11 +297,11 @@ class RequestPathPage:
             rows["right"].append(left + ms)
             rows["color"].append(color)
             rows["part"].append(label)
-            rows["ms"].append(f"{ms:.2f} ms")
+            rows["ms"].append(format_seconds(result["parts"][key]))
             left += ms
         self.why_parts.data = rows
         reasons = ", ".join(
-            f"{html.escape(reason)} {seconds * 1e3:.1f} ms"
+            f"{html.escape(reason)} {format_seconds(seconds)}"
             for reason, seconds in sorted(result["queue_reasons"].items(), key=lambda kv: -kv[1])
         )
         shared = result["shared"]
@@ -306,10 +311,22 @@ class RequestPathPage:
             f"Steps that ran it: {shared['steps']}, with its {shared['own_tokens']} tokens and "
             f"others' {shared['other_prefill_tokens']} prefill + "
             f"{shared['other_decode_tokens']} decode tokens (about "
-            f"{shared['interference_s'] * 1e3:.0f} ms of their time went to the others). "
+            f"{format_seconds(shared['interference_s'])} of their time by the token mix). "
+            f"{_cpu_words(result['cpu'])}"
             "<small>The same answer as <code>stepscope trace explain TRACE "
             f"{html.escape(request_id)}</code>.</small></p>"
         )
+
+
+def _cpu_words(cpu: dict) -> str:
+    """The CPU its steps' worker got, measured, beside their wall time."""
+    if cpu["cpu_share"] is None:
+        return ""
+    verdict = " (the machine was busy with something else)" if cpu["contention"] else ""
+    return (
+        f"Its steps' worker got {cpu['cpu_share']:.0%} of the CPU time its "
+        f"{cpu['num_threads']} threads could use, {cpu['cpu_cores']:.2f} cores{verdict}. "
+    )
 
 
 def _code(text: str) -> str:

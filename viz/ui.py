@@ -30,6 +30,16 @@ COLORS = {
     "worker": "#54A24B",
     "crossing": "#7F7F7F",
 }
+# The parts of a request's end-to-end time (`traces.backend.explain.PARTS`), each its own colour,
+# for "Why this long" and its legend: where the queue ends and prefill starts must show.
+PART_COLORS = {
+    "before_engine_s": "#2CA02C",
+    "queue_s": "#C7C7C7",  # grey: nothing ran for it
+    "prefill_s": COLORS["prefill"],
+    "decode_s": COLORS["decode"],
+    "preempted_s": "#B22222",  # deeper than COLORS["preempt"], which sits too near the orange
+    "after_engine_s": "#E377C2",
+}
 NO_TRACE = """
 ### No trace loaded
 
