@@ -2,14 +2,16 @@
 beside its wall time, and explain names a busy machine when the steps that ran a request got far
 less CPU than their threads could use.
 
-The wording is checked on trace files written span by span with known CPU and wall times (a real
-busy machine cannot be ordered up on a shared 2-core test box); the recording on the session's
-real offline and TP=2 runs.
+The wording is checked on trace files written span by span with known CPU and wall times; the
+recording on the session's real offline and TP=2 runs; and (slow) a real run beside busy loops
+on the same cores.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import sys
 
 import pytest
 
@@ -18,6 +20,8 @@ from stepscope.traces.backend import cli
 from stepscope.traces.backend.explain import cause, explain
 from stepscope.traces.backend.store import TraceStore
 from stepscope.traces.backend.units import format_seconds
+
+BUSY_LOOP = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    pass\n"
 
 T0 = 1_800_000_000 * 10**9
 PROMPT = 10
@@ -183,3 +187,29 @@ def test_an_offline_run_records_each_steps_cpu_time(traced_offline_run) -> None:
 def test_each_tp_worker_records_its_own_cpu_time(tp2_store) -> None:
     _assert_plausible(tp2_store)
     assert set(tp2_store.df("SELECT DISTINCT rank FROM worker_steps")["rank"]) == {0, 1}
+
+
+@pytest.mark.slow
+def test_a_real_run_beside_busy_loops_on_its_cores_names_the_machine(tmp_path, process_tree):
+    """tiny-llama offline while two busy loops per core it may use hold those cores (they
+    inherit its affinity): its steps get a fraction of a core, and explain says so."""
+    from stepscope.engine import LLM, SamplingParams
+
+    db = str(tmp_path / "busy.duckdb")
+    llm = LLM(model="tiny-llama", trace_db=db, num_kv_blocks=64)
+    loops = [
+        process_tree.popen([sys.executable, "-c", BUSY_LOOP])
+        for _ in range(2 * len(os.sched_getaffinity(0)))
+    ]
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        llm.generate(["Hello there", "A second prompt"], [params] * 2, use_tqdm=False)
+    finally:
+        for loop in loops:
+            loop.kill()
+        llm.shutdown()
+    with TraceStore(db, read_only=True) as store:
+        _assert_plausible(store)
+        r = explain(store)
+    assert r["cpu"]["contention"], r["cpu"]
+    assert "busy with something else" in r["summary"], r["summary"]
