@@ -40,6 +40,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-o", "--output", required=True, help="the file to write, e.g. run.json")
     p.set_defaults(func=_trace_export)
+    p = trace_sub.add_parser(
+        "compare", help="two runs side by side: TTFT, TPOT, end-to-end, throughput, queue"
+    )
+    p.add_argument("a", metavar="A", help=TRACE)
+    p.add_argument("b", metavar="B", help=TRACE)
+    p.add_argument("--json", action="store_true", help="both runs, B/A and each request as JSON")
+    p.set_defaults(func=_trace_compare)
+    p = trace_sub.add_parser(
+        "whatif",
+        help="predict the run under other scheduler settings (the real scheduler, no model run)",
+    )
+    p.add_argument("path", metavar="TRACE", help=TRACE)
+    p.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="KEY=V1,V2,...",
+        help="an engine setting and the values to try (repeat for a cartesian grid), e.g. "
+        "max_num_batched_tokens=256,512,1024",
+    )
+    p.add_argument(
+        "--slo",
+        action="append",
+        default=[],
+        metavar="KEY=SECONDS",
+        help="a limit the best setting must meet, e.g. ttft_p90=2.5 (repeatable)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="only the list of settings' predictions on stdout"
+    )
+    p.set_defaults(func=_trace_whatif)
     _register_replay(trace_sub)
 
 
@@ -108,3 +139,15 @@ def _trace_replay(args: argparse.Namespace) -> int:
     from stepscope.engine.bench.replay import trace_replay
 
     return trace_replay(args)
+
+
+def _trace_compare(args: argparse.Namespace) -> int:
+    from stepscope.traces.backend.compare import trace_compare
+
+    return trace_compare(args.a, args.b, as_json=args.json)
+
+
+def _trace_whatif(args: argparse.Namespace) -> int:
+    from stepscope.viz.whatif import trace_whatif
+
+    return trace_whatif(args.path, args.grid, args.slo, as_json=args.json)
