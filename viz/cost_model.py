@@ -1,0 +1,150 @@
+"""The what-if cost model: how long an engine step takes, fitted on a trace's own steps.
+
+Each recorded step's own compute time (`queries.STEPS_WITH_OWN_TIME`: from its start, or from the
+end of the step before it where steps overlap under async scheduling, to its end) is fitted by
+least squares as
+
+    fixed + prefill tokens x a + decode tokens x b + context tokens x c
+
+(`num_context_tokens`: the tokens the step's requests attend to), every coefficient kept
+non-negative (a step never gets cheaper with more work). Between steps the engine spends time of
+its own (outputs out, new requests in): the mean gap from one step's end to the next one's start
+while requests were in the engine is added after every step where it is at least `GAP_MATTERS`
+of the mean step; an idle engine starts its first step `wake_s` after a request reaches it (the
+recorded mean). viz/whatif.py times its simulated steps with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from stepscope.traces.backend.queries import STEPS_WITH_OWN_TIME
+from stepscope.traces.backend.source import Queryable
+
+# The mean gap between steps is part of the model when it is at least this share of a step.
+GAP_MATTERS = 0.01
+
+
+_TERMS = ("fixed_s", "prefill_token_s", "decode_token_s", "context_token_s")
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """A step's own time: fixed + prefill tokens x a + decode tokens x b + context tokens x c;
+    `gap_s` is added after each step (0 where the recorded gap does not matter)."""
+
+    fixed_s: float
+    prefill_token_s: float
+    decode_token_s: float
+    context_token_s: float
+    gap_s: float = 0.0
+    recorded_gap_s: float = 0.0  # the mean gap between steps while requests were in the engine
+    # From the first request to reach an idle engine to the step that starts for it (the busy
+    # loop waking; offline, `generate` adding the rest of its requests first).
+    wake_s: float = 0.0
+    num_steps: int = 0
+    mean_step_s: float = 0.0
+    mean_abs_error_s: float = 0.0  # of the fitted step times against the recorded ones
+    rms_error_s: float = 0.0
+    has_context: bool = True  # False: the trace's steps have no num_context_tokens
+
+    def step_s(self, prefill: int, decode: int, context: int) -> float:
+        return (
+            self.fixed_s
+            + prefill * self.prefill_token_s
+            + decode * self.decode_token_s
+            + context * self.context_token_s
+        )
+
+    def coefficients(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in (*_TERMS, "gap_s")}
+
+
+def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min |x b - y| with every b >= 0: the best unconstrained fit over each subset of columns
+    whose coefficients all come out non-negative (exact for the few columns here)."""
+    best, best_error = np.zeros(x.shape[1]), float(np.sum(y**2))
+    for size in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), size):
+            sub = x[:, cols]
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            error = float(np.sum((sub @ coef - y) ** 2))
+            if error < best_error - 1e-18:
+                best, best_error = np.zeros(x.shape[1]), error
+                best[list(cols)] = coef
+    return best
+
+
+_FIT_STEPS = f"""
+SELECT dp_rank, start_ns, end_ns, own_s, coalesce(num_prefill_tokens, 0) AS prefill,
+       coalesce(num_decode_tokens, 0) AS decode, num_context_tokens AS context
+FROM ({STEPS_WITH_OWN_TIME}) ORDER BY dp_rank, start_ns
+"""
+_ENGINE_TIMES = """
+SELECT dp_rank, queued_ns, finished_ns FROM requests
+WHERE queued_ns IS NOT NULL AND finished_ns IS NOT NULL
+"""
+
+
+def between_steps(steps: pd.DataFrame, requests: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds the engine spent outside steps, on each rank: the gaps from a step's end to the
+    next one's start while some request was in the engine (queued before the gap, finished
+    after it), and the wake-ups, from the first request to reach an idle engine to the step that
+    started for it (idle time itself is neither)."""
+    gaps, wakes = [], []
+    for rank, group in steps.groupby("dp_rank"):
+        mine = requests[requests["dp_rank"] == rank]
+        queued = np.sort(mine["queued_ns"].to_numpy())
+        finished = np.sort(mine["finished_ns"].to_numpy())
+        starts = group["start_ns"].to_numpy()
+        # Before each step: the end of the latest step before it (none before the first).
+        before = np.concatenate(
+            [[np.iinfo(np.int64).min], np.maximum.accumulate(group["end_ns"].to_numpy())[:-1]]
+        )
+        inside = queued.searchsorted(before, "right") - finished.searchsorted(starts, "left")
+        gap = (starts - before)[1:] / 1e9
+        gaps.append(gap[(inside[1:] > 0) & (gap > 0)])
+        idle = np.flatnonzero(inside <= 0)
+        first = queued.searchsorted(before[idle], "right")
+        found = first < len(queued)
+        delay = (starts[idle][found] - queued[first[found]]) / 1e9
+        wakes.append(delay[delay >= 0])
+    empty = np.zeros(0)
+    return (np.concatenate(gaps) if gaps else empty, np.concatenate(wakes) if wakes else empty)
+
+
+def fit_cost_model(source: Queryable) -> CostModel:
+    """The cost model fitted on a trace's own steps (see the module docstring)."""
+    steps = source.df(_FIT_STEPS)
+    if len(steps) < 2:
+        raise ValueError("the trace holds fewer than two engine steps: nothing to fit a model to")
+    has_context = bool(steps["context"].notna().all())
+    context = steps["context"].fillna(0).to_numpy(float) if has_context else np.zeros(len(steps))
+    x = np.column_stack(
+        [np.ones(len(steps)), steps["prefill"].to_numpy(float),
+         steps["decode"].to_numpy(float), context]
+    )  # fmt: skip
+    y = steps["own_s"].to_numpy(float)
+    coef = nonnegative_least_squares(x if has_context else x[:, :3], y)
+    coef = np.append(coef, 0.0) if not has_context else coef
+    residual = x @ coef - y
+    gaps, wakes = between_steps(steps, source.df(_ENGINE_TIMES))
+    mean_gap = float(gaps.mean()) if len(gaps) else 0.0
+    mean_step = float(y.mean())
+    return CostModel(
+        *(float(c) for c in coef),
+        gap_s=mean_gap if mean_gap >= GAP_MATTERS * mean_step else 0.0,
+        recorded_gap_s=mean_gap,
+        wake_s=float(wakes.mean()) if len(wakes) else 0.0,
+        num_steps=len(steps),
+        mean_step_s=mean_step,
+        mean_abs_error_s=float(np.abs(residual).mean()),
+        rms_error_s=float(np.sqrt(np.mean(residual**2))),
+        has_context=has_context,
+    )
