@@ -33,6 +33,7 @@ from stepscope.engine.config import EngineConfig
 from stepscope.engine.engine_args import engine_option_names, parse_engine_option
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
+from stepscope.traces.backend.units import format_seconds
 from stepscope.traces.backend.workload import (
     RecordedRequest,
     Workload,
@@ -293,7 +294,7 @@ def format_result(result: ReplayResult) -> str:
     changed = ", ".join(f"{k}={v}" for k, v in result.changes.items()) or "nothing"
     lines = [
         f"replayed {result.replayed} requests ({how}; changed: {changed}) in "
-        f"{_seconds(result.duration_s)}"
+        f"{format_seconds(result.duration_s)}"
     ]
     if result.skipped:
         lines.append(f"left out {result.skipped} recorded requests that generated no token")
@@ -302,11 +303,6 @@ def format_result(result: ReplayResult) -> str:
     where = result.trace or "the server's own trace file (its --trace-db)"
     lines.append(f"new trace: {where}")
     return "\n".join(lines)
-
-
-def _seconds(value: float) -> str:
-    """At most four significant digits, never in scientific notation."""
-    return f"{float(f'{value:.4g}'):g} s"
 
 
 def trace_replay(args: argparse.Namespace) -> int:

@@ -16,7 +16,13 @@ import httpx
 import msgspec
 import pytest
 
-from stepscope.engine.bench.replay import completion_body, forced_params, parse_changes
+from stepscope.engine.bench.replay import (
+    ReplayResult,
+    completion_body,
+    forced_params,
+    format_result,
+    parse_changes,
+)
 from stepscope.engine.config import EngineConfig
 from stepscope.engine.engine_args import engine_config_from_args, engine_flags
 from stepscope.engine.entrypoints.cli.main import build_parser, main
@@ -293,3 +299,18 @@ def test_replayed_params_keep_the_sampling_and_force_the_length():
     # Sent to a server, the body asks for the same parameters.
     body = CompletionRequest(model="m", prompt=[1, 2], max_tokens=5, **completion_body(params))
     assert body.to_sampling_params() == params
+
+
+def test_summary_says_what_was_replayed_and_where_it_is_recorded():
+    served = ReplayResult(n.ENTRY_SERVE, {}, 3, 1, ["HTTP 503: busy"], 34280.12, None)
+    assert format_result(served).splitlines() == [
+        "replayed 3 requests (served; changed: nothing) in 34280 s",
+        "left out 1 recorded requests that generated no token",
+        "1 failed; the first: HTTP 503: busy",
+        "new trace: the server's own trace file (its --trace-db)",
+    ]
+    offline = ReplayResult(n.ENTRY_OFFLINE, {"max_num_seqs": 4}, 2, 0, [], 0.01234, "new.duckdb")
+    assert format_result(offline) == (
+        "replayed 2 requests (offline, through LLM; changed: max_num_seqs=4) in 12.34 ms\n"
+        "new trace: new.duckdb"
+    )
