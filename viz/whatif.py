@@ -212,8 +212,8 @@ def resolve(flat: dict[str, Any], changes: dict[str, Any], pool_blocks: int) -> 
         raise ValueError(f"{_settings_text(changes)}: {error}") from None
     cache, sched = config.cache_config, config.scheduler_config
     blocks = cache.num_kv_blocks if cache.num_kv_blocks is not None else pool_blocks
-    if "block_size" in changes and "num_kv_blocks" not in changes:
-        # The same memory holds fewer blocks of more tokens.
+    if cache.num_kv_blocks is None and cache.block_size != int(flat["block_size"]):
+        # A pool sized from free memory: the same memory holds fewer blocks of more tokens.
         blocks = max(1, blocks * int(flat["block_size"]) // cache.block_size)
     capacity = blocks * cache.block_size
     explicit = config.model_config.max_model_len
@@ -250,6 +250,7 @@ class Prediction:
     requests: list[RequestTimes]
     table: dict[str, Any]
     num_steps: int
+    prefill_tokens: int  # prompt (and recomputed) tokens the steps ran, prefix hits not
 
 
 @dataclass(slots=True)
@@ -274,15 +275,17 @@ def _engine(settings: SchedulerSettings) -> Scheduler:
 
 def _run_rank(
     arrivals: list[tuple[float, Request]], settings: SchedulerSettings, model: CostModel
-) -> tuple[dict[str, _Times], StepColumns]:
+) -> tuple[dict[str, _Times], StepColumns, int]:
     """One engine core's scheduler over its requests (engine arrival, request), in time order.
-    Returns each request's times and the steps (start_ns, waiting_reason)."""
+    Returns each request's times, the steps (start_ns, waiting_reason) and the prefill tokens
+    they ran."""
     scheduler = _engine(settings)
     pending = deque(arrivals)
     times = {request.request_id: _Times() for _, request in arrivals}
     starts: list[int] = []
     reasons: list[str | None] = []
     clock = 0.0
+    prefill = 0
     while pending or scheduler.has_unfinished_requests():
         if not scheduler.has_unfinished_requests():
             clock = max(clock, pending[0][0] + model.wake_s)
@@ -297,6 +300,7 @@ def _run_rank(
             clock = max(clock, pending[0][0])
             continue
         stats = scheduler.last_stats
+        prefill += stats.num_prefill_tokens
         end = clock + model.step_s(
             stats.num_prefill_tokens, stats.num_decode_tokens, stats.num_context_tokens
         )
@@ -324,7 +328,7 @@ def _run_rank(
                 entry.finished = end
                 entry.preemptions = out.num_preemptions
         clock = end + model.gap_s
-    return times, StepColumns(starts, reasons)
+    return times, StepColumns(starts, reasons), prefill
 
 
 def simulate(
@@ -352,16 +356,17 @@ def simulate(
         request = Request(req.request_id, list(prompt), params, None, settings.block_size)
         by_rank.setdefault(req.dp_rank, []).append((req.arrival_s + req.before_engine_s, request))
     results: list[RequestTimes] = []
-    num_steps = 0
+    num_steps = prefill = 0
     recorded = {r.request_id: r for r in workload.requests}
     for arrivals in by_rank.values():
         arrivals.sort(key=lambda a: a[0])
-        times, steps = _run_rank(arrivals, settings, model)
+        times, steps, rank_prefill = _run_rank(arrivals, settings, model)
         num_steps += len(steps)
+        prefill += rank_prefill
         for queued_s, request in arrivals:
             results.append(_request_times(recorded[request.request_id], queued_s,
                                           times[request.request_id], steps))  # fmt: skip
-    return Prediction(results, run_table(results), num_steps)
+    return Prediction(results, run_table(results), num_steps, prefill)
 
 
 def _request_times(req: Any, queued_s: float, t: _Times, steps: StepColumns) -> RequestTimes:

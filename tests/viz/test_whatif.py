@@ -1,0 +1,218 @@
+"""`stepscope trace whatif`: the real scheduler over a recorded run's arrivals, each step timed by
+a cost model fitted on the run's own steps.
+
+On the session's offline run: given the recorded step times the event loop gives back every
+request's recorded times (so what differs in a prediction is the cost model's doing), the
+self-check with the fitted model, the grid's rows and the CLI's JSON. On a hand-made bursty chat
+workload (no model run): what a pool, a budget or prefix caching change, and the same answers
+from worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from stepscope.engine.entrypoints.cli.main import main
+from stepscope.traces.backend.compare import METRICS, recorded_requests, recorded_table
+from stepscope.traces.backend.store import TraceStore
+from stepscope.traces.backend.workload import load_workload, synthetic_prompts
+from stepscope.viz import whatif as w
+from stepscope.viz.cost_model import fit_cost_model, nonnegative_least_squares
+from tests.viz.whatif_workload import COST, bursty_chat
+
+ROW_KEYS = {"settings", *METRICS}
+
+
+# ---- settings ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec",
+    ["dtype=bfloat16", "tensor_parallel_size=2", "model=smollm2-135m", "async_scheduling=on"],
+)
+def test_a_setting_that_changes_step_cost_is_refused_with_why(spec: str) -> None:
+    with pytest.raises(ValueError, match="a trace taken under the .* you want is needed"):
+        w.parse_grid([spec])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("max_num_seq=4,8", "did you mean 'max_num_seqs'"),
+        ("seed=1,2", "changes neither what the scheduler decides nor what a step costs"),
+        ("kv_cache_memory_fraction=0.5", "with num_kv_blocks instead"),
+        ("max_num_seqs=8,lots", "max_num_seqs takes whole numbers, got 'lots'"),
+        ("enable_prefix_caching=maybe", "enable_prefix_caching takes true or false"),
+        ("max_num_seqs", "--grid takes KEY=V1,V2"),
+    ],
+)
+def test_bad_grid_entries_are_refused_by_name(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        w.parse_grid([spec])
+
+
+def test_grid_values_take_their_field_type_and_slo_its_seconds() -> None:
+    grid = w.parse_grid(["enable-prefix-caching=on,false", "max_num_batched_tokens=256, 512"])
+    assert grid == {"enable_prefix_caching": [True, False], "max_num_batched_tokens": [256, 512]}
+    assert [list(s.values()) for s in w.grid_settings(grid)] == [
+        [True, 256], [True, 512], [False, 256], [False, 512]
+    ]  # fmt: skip
+    assert w.parse_slo(["ttft_p90=2.5", "e2e_p50_s=10"]) == {"ttft_p90": 2.5, "e2e_p50": 10.0}
+    with pytest.raises(ValueError, match="--slo takes one of"):
+        w.parse_slo(["throughput=5"])
+
+
+def test_nonnegative_least_squares_recovers_a_step_model_and_keeps_terms_at_zero() -> None:
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(200), rng.integers(0, 512, 200), rng.integers(0, 64, 200)])
+    y = x @ np.array([0.02, 0.0004, 0.001])
+    assert nonnegative_least_squares(x, y) == pytest.approx([0.02, 0.0004, 0.001])
+    # A term whose best unconstrained coefficient is negative is left out, not made negative.
+    coef = nonnegative_least_squares(x, 0.05 - 0.0001 * x[:, 1])
+    assert coef[1] == 0.0 and (coef >= 0).all()
+
+
+# ---- a recorded run ----------------------------------------------------------------------------
+class RecordedClock:
+    """Stands in for the cost model: each simulated step takes the time from the recorded
+    step's start to the next one's (the last: its duration), in order."""
+
+    gap_s = 0.0
+
+    def __init__(self, store: TraceStore) -> None:
+        steps = store.df("SELECT start_ns, end_ns FROM steps ORDER BY start_ns")
+        first = int(store.df("SELECT min(start_ns) AS t FROM requests")["t"][0])
+        self.starts = (steps["start_ns"] - first).tolist() + [None]
+        self.ends = (steps["end_ns"] - first).tolist()
+        self.wake_s = fit_cost_model(store).wake_s
+        self.index = 0
+
+    def step_s(self, prefill: int, decode: int, context: int) -> float:
+        k, self.index = self.index, self.index + 1
+        stop = self.starts[k + 1] if self.starts[k + 1] is not None else self.ends[k]
+        return (stop - self.starts[k]) / 1e9
+
+
+@pytest.fixture(scope="module")
+def offline_store(traced_offline_run):
+    store = TraceStore(traced_offline_run, read_only=True)
+    yield store
+    store.close()
+
+
+def test_given_the_recorded_step_times_the_loop_gives_back_the_recorded_run(offline_store):
+    workload = load_workload(offline_store)
+    pool = int(offline_store.df("SELECT max(kv_total_blocks) AS n FROM steps")["n"][0])
+    settings = w.resolve(w.recorded_flat(workload), {}, pool)
+    clock = RecordedClock(offline_store)
+    predicted = w.simulate(workload, synthetic_prompts(workload, 1000), settings, clock)
+    assert predicted.num_steps == len(clock.ends)  # the same steps, one for one
+    recorded = {r.request_id: r for r in recorded_requests(offline_store)}
+    for p in predicted.requests:
+        r = recorded[p.request_id]
+        assert p.output_tokens == r.output_tokens and p.preemptions == r.preemptions
+        assert p.ttft_s == pytest.approx(r.ttft_s, abs=0.005)
+        assert p.e2e_s == pytest.approx(r.e2e_s, abs=0.005)
+        assert set(p.queue_s_by_reason) <= set(r.queue_s_by_reason) | {"arrived_during_step"}
+        assert sum(p.queue_s_by_reason.values()) == pytest.approx(
+            sum(r.queue_s_by_reason.values()), abs=0.005
+        )
+
+
+def test_self_check_and_grid_on_a_recorded_run(offline_store):
+    grid = w.parse_grid(["max_num_batched_tokens=16,32", "enable_chunked_prefill=true,false"])
+    with pytest.raises(ValueError, match="without chunked prefill every prompt must fit"):
+        w.whatif(offline_store, grid, {})
+    grid = w.parse_grid(["max_num_batched_tokens=16,32,64", "max_num_seqs=1,4"])
+    result = w.whatif(offline_store, grid, {"ttft_p90": 1e6})
+    assert result.recorded == recorded_table(offline_store)
+    # The recorded settings: the steps' total time is the fitted one, so the run's throughput
+    # and last finish come back; the recorded budget's row is the self-check's prediction.
+    check, recorded = result.self_check, result.recorded
+    assert check["throughput_tok_s"] == pytest.approx(recorded["throughput_tok_s"], rel=0.2)
+    assert check["e2e_p90_s"] == pytest.approx(recorded["e2e_p90_s"], rel=0.3)
+    assert check["preemptions"] == recorded["preemptions"]
+    assert [r["settings"] for r in result.rows] == w.grid_settings(grid)
+    assert all(set(r) == ROW_KEYS for r in result.rows)
+    assert result.rows[3] | {"settings": None} == check | {"settings": None}  # 32 tokens, 4 seqs
+    one_at_a_time = result.rows[0]["queue_s_by_reason"]
+    assert one_at_a_time.get("max_num_seqs", 0) > 0
+    assert result.best is not None
+    line = w.self_check_line(result)
+    assert line.startswith("self-check") and "ttft_p90" in line and "throughput" in line
+    text = "\n".join(w.report(result))
+    assert "cost model, fitted on" in text and "fit error" in text and "<- best" in text
+    assert w.CANNOT_PREDICT in text and "e+" not in text
+
+
+def test_cli_json_prints_only_the_list_and_the_self_check_on_stderr(traced_offline_run, capsys):
+    main(["trace", "whatif", traced_offline_run, "--grid", "max_num_seqs=2,4", "--json"])
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert [r["settings"] for r in rows] == [{"max_num_seqs": 2}, {"max_num_seqs": 4}]
+    assert all(set(r) == ROW_KEYS for r in rows)
+    assert captured.err.startswith("self-check")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["trace", "whatif", traced_offline_run, "--grid", "dtype=float16"])
+    assert exit_info.value.code == 2
+    assert "a trace taken under the dtype you want is needed" in capsys.readouterr().err
+
+
+# ---- a hand-made workload ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chats():
+    workload = bursty_chat(80, seed=1)
+    return workload, synthetic_prompts(workload, 1 << 15), w.recorded_flat(workload)
+
+
+def test_settings_change_what_the_scheduler_does(chats):
+    workload, prompts, flat = chats
+    runs = {
+        name: w.simulate(workload, prompts, w.resolve(flat, changes, 2048), COST)
+        for name, changes in {
+            "recorded": {},
+            "small pool": {"num_kv_blocks": 160},
+            "no prefix cache": {"enable_prefix_caching": False},
+            "few seqs": {"max_num_seqs": 4},
+        }.items()
+    }
+    recorded = runs["recorded"].table
+    assert runs["small pool"].table["preemptions"] > recorded["preemptions"]
+    assert "kv_blocks" in runs["small pool"].table["queue_s_by_reason"]
+    # Every chat long enough shares the system prompt's four blocks: without the cache, each
+    # prefills them again.
+    shared = 64 * sum(1 for r in workload.requests if r.input_tokens > 64)
+    assert runs["no prefix cache"].prefill_tokens - runs["recorded"].prefill_tokens >= shared - 64
+    assert runs["few seqs"].table["ttft_p90_s"] > recorded["ttft_p90_s"]
+    assert runs["few seqs"].table["queue_s_by_reason"]["max_num_seqs"] > 0
+    for run in runs.values():  # every request finished with its recorded output length
+        assert sum(r.output_tokens for r in run.requests) == sum(
+            r.output_tokens for r in workload.requests
+        )
+
+
+def test_a_prompt_longer_than_the_pool_is_refused(chats):
+    workload, prompts, flat = chats
+    settings = w.resolve(flat, {"num_kv_blocks": 8}, 2048)  # 128 tokens
+    with pytest.raises(ValueError, match="does not fit the context of 128 tokens"):
+        w.simulate(workload, prompts, settings, COST)
+
+
+def test_worker_processes_predict_the_same(chats, monkeypatch):
+    workload, prompts, flat = chats
+    settings = [w.resolve(flat, {"max_num_seqs": n}, 2048) for n in (8, 16, 8, 32)]
+    alone = w.predict(workload, prompts, settings, COST)
+    monkeypatch.setattr(w, "PARALLEL_TOKENS", 0)
+    monkeypatch.setattr(w.os, "sched_getaffinity", lambda pid: {0, 1})
+    spread = w.predict(workload, prompts, settings, COST)
+    assert [p.table for p in spread] == [p.table for p in alone]
+    assert spread[0].table == spread[2].table
+
+
+def test_recorded_block_size_change_keeps_the_pool_memory(chats):
+    _, _, flat = chats
+    settings = w.resolve(flat, {"block_size": 32}, 2048)
+    assert (settings.block_size, settings.num_kv_blocks) == (32, 2048)  # recorded explicitly
+    moved = w.resolve({**flat, "num_kv_blocks": None}, {"block_size": 32}, 2048)
+    assert moved.num_kv_blocks == 1024
