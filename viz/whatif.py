@@ -24,15 +24,13 @@ changes what a step costs is refused with a sentence saying a trace taken under 
 from __future__ import annotations
 
 import itertools
-import json
 import multiprocessing
 import os
-import sys
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 from stepscope.engine.config import (
     PARTS,
@@ -47,19 +45,15 @@ from stepscope.engine.core.scheduler import Scheduler
 from stepscope.engine.messages import ModelRunnerOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces.backend.compare import (
-    METRICS,
     RequestTimes,
     StepColumns,
-    aligned,
-    metric_text,
     queue_split,
     recorded_table,
     run_table,
 )
-from stepscope.traces.backend.source import Queryable, open_trace
-from stepscope.traces.backend.units import format_seconds
+from stepscope.traces.backend.source import Queryable
 from stepscope.traces.backend.workload import Workload, load_workload, synthetic_prompts
-from stepscope.viz.cost_model import GAP_MATTERS, CostModel, fit_cost_model
+from stepscope.viz.cost_model import CostModel, fit_cost_model
 
 # The settings whatif can change: what the scheduler and the KV cache manager read.
 GRID_KEYS = (
@@ -89,14 +83,6 @@ STEP_COST_KEYS = (
     "async_scheduling",
 )
 SLO_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_mean", "e2e_p50", "e2e_p90")
-CANNOT_PREDICT = (
-    "It cannot predict a setting that changes what a step costs (the model, dtype, "
-    "quantization, tensor or data parallel size, async scheduling): that needs a trace taken "
-    "under it. It forces every request's recorded output length and keeps the recorded "
-    "arrivals and API-side times, so it cannot see outputs that would end elsewhere or clients "
-    "that would send later; and each step costs what the fitted model says, so contention from "
-    "other work on the machine is predicted only as far as the recorded steps averaged it in."
-)
 # Simulations run in worker processes when they decode at least this many tokens in all (about
 # two seconds of work on one core: more than starting the workers costs).
 PARALLEL_TOKENS = 300_000
@@ -209,7 +195,7 @@ def resolve(flat: dict[str, Any], changes: dict[str, Any], pool_blocks: int) -> 
     try:  # the device is not asked about: nothing runs
         config = EngineConfig.create(**{**values, "device": "cpu"})
     except ValueError as error:
-        raise ValueError(f"{_settings_text(changes)}: {error}") from None
+        raise ValueError(f"{settings_text(changes)}: {error}") from None
     cache, sched = config.cache_config, config.scheduler_config
     blocks = cache.num_kv_blocks if cache.num_kv_blocks is not None else pool_blocks
     if cache.num_kv_blocks is None and cache.block_size != int(flat["block_size"]):
@@ -219,14 +205,17 @@ def resolve(flat: dict[str, Any], changes: dict[str, Any], pool_blocks: int) -> 
     explicit = config.model_config.max_model_len
     if explicit is not None and explicit > capacity:
         raise ValueError(
-            f"{_settings_text(changes)}: max_model_len {explicit} does not fit in the KV cache "
+            f"{settings_text(changes)}: max_model_len {explicit} does not fit in the KV cache "
             f"of {blocks} blocks of {cache.block_size} tokens ({capacity} tokens)"
         )
+    if explicit is not None:  # without one, the model's own limit applies, unknown here
+        try:
+            check_no_chunk_budget(sched, explicit)
+        except ValueError as error:
+            raise ValueError(f"{settings_text(changes)}: {error}") from None
+    # The longest a request can grow: the context asked for, else what the pool holds (the
+    # engine lowers the model's limit to it; a recorded request was within the model's).
     max_model_len = explicit if explicit is not None else capacity
-    try:
-        check_no_chunk_budget(sched, max_model_len)
-    except ValueError as error:
-        raise ValueError(f"{_settings_text(changes)}: {error}") from None
     return SchedulerSettings(
         max_num_batched_tokens=int(sched.max_num_batched_tokens),
         max_num_seqs=int(sched.max_num_seqs),
@@ -238,7 +227,7 @@ def resolve(flat: dict[str, Any], changes: dict[str, Any], pool_blocks: int) -> 
     )
 
 
-def _settings_text(changes: dict[str, Any]) -> str:
+def settings_text(changes: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in changes.items()) or "the recorded settings"
 
 
@@ -331,6 +320,23 @@ def _run_rank(
     return times, StepColumns(starts, reasons), prefill
 
 
+def _check_fits(request_id: str, prompt_len: int, settings: SchedulerSettings) -> None:
+    """A prompt the engine would refuse, or could never schedule, under `settings`."""
+    if prompt_len >= settings.max_model_len:
+        raise ValueError(
+            f"request {request_id}'s prompt of {prompt_len} tokens does not fit the context of "
+            f"{settings.max_model_len} tokens ({settings.num_kv_blocks} KV blocks of "
+            f"{settings.block_size}): the engine would refuse it"
+        )
+    if not settings.enable_chunked_prefill and prompt_len > settings.max_num_batched_tokens:
+        raise ValueError(
+            "without chunked prefill every prompt must fit in one step: request "
+            f"{request_id}'s prompt has {prompt_len} tokens, max_num_batched_tokens is "
+            f"{settings.max_num_batched_tokens} (and the engine refuses a budget below the "
+            "model's context)"
+        )
+
+
 def simulate(
     workload: Workload,
     prompts: Sequence[Sequence[int]],
@@ -341,12 +347,7 @@ def simulate(
     rank it was routed to), timed by `model`."""
     by_rank: dict[int, list[tuple[float, Request]]] = {}
     for req, prompt in zip(workload.requests, prompts, strict=True):
-        if len(prompt) >= settings.max_model_len:
-            raise ValueError(
-                f"request {req.request_id}'s prompt of {len(prompt)} tokens does not fit the "
-                f"context of {settings.max_model_len} tokens ({settings.num_kv_blocks} KV blocks "
-                f"of {settings.block_size}): the engine would refuse it"
-            )
+        _check_fits(req.request_id, len(prompt), settings)
         params = SamplingParams(
             max_tokens=max(req.output_tokens, 1),
             ignore_eos=True,
@@ -490,107 +491,3 @@ def whatif(source: Queryable, grid: dict[str, list[Any]], slos: dict[str, float]
         )
     return WhatIf(rows, recorded_table(source), recorded_run.table, model, slos,
                   best_row(rows, slos), notes)  # fmt: skip
-
-
-# ---- what it prints ----------------------------------------------------------------------------
-_CHECKED = ("ttft_p50_s", "ttft_p90_s", "tpot_mean_s", "e2e_p50_s", "e2e_p90_s", "throughput_tok_s")
-
-
-def self_check_line(result: WhatIf) -> str:
-    """The recorded settings' prediction against the recorded run, one number at a time."""
-    parts = []
-    for key in _CHECKED:
-        predicted, recorded = result.self_check[key], result.recorded[key]
-        off = ""
-        if predicted is not None and recorded:
-            off = f" ({(predicted - recorded) / recorded:+.0%})"
-        label = "throughput" if key == "throughput_tok_s" else key.removesuffix("_s")
-        parts.append(f"{label} {metric_text(key, predicted)} vs {metric_text(key, recorded)}{off}")
-    return "self-check, the recorded settings predicted vs recorded: " + ", ".join(parts)
-
-
-def model_lines(model: CostModel) -> list[str]:
-    """The cost model's coefficients and fit error, as sentences."""
-    terms = (
-        f"{format_seconds(model.fixed_s)} + {format_seconds(model.prefill_token_s)} per prefill "
-        f"token + {format_seconds(model.decode_token_s)} per decode token + "
-        f"{format_seconds(model.context_token_s)} per context token"
-    )
-    gap = (
-        f"then {format_seconds(model.gap_s)} between steps"
-        if model.gap_s
-        else f"the {format_seconds(model.recorded_gap_s)} between steps left out (under "
-        f"{GAP_MATTERS:.0%} of a step)"
-    )
-    share = model.mean_abs_error_s / model.mean_step_s if model.mean_step_s else 0.0
-    return [
-        f"cost model, fitted on {model.num_steps} steps: a step takes {terms}; {gap}; an idle "
-        f"engine starts a step {format_seconds(model.wake_s)} after a request reaches it",
-        f"fit error: {format_seconds(model.mean_abs_error_s)} per step on average ({share:.0%} "
-        f"of the mean step of {format_seconds(model.mean_step_s)}), root mean square "
-        f"{format_seconds(model.rms_error_s)}",
-    ]
-
-
-def _queue_text(reasons: dict[str, float]) -> str:
-    if not reasons:
-        return "0 s"
-    top = max(reasons, key=reasons.__getitem__)
-    return f"{format_seconds(sum(reasons.values()))} ({top})"
-
-
-def grid_table(result: WhatIf) -> str:
-    """One line per setting: its values, the predicted numbers, the best marked."""
-    keys = list(result.rows[0]["settings"]) if result.rows else []
-    header = [*keys, *(k.removesuffix("_s") for k in METRICS[:6]), "throughput", "preempt",
-              "queue (most)", ""]  # fmt: skip
-    rows = []
-    for i, row in enumerate(result.rows):
-        texts = [str(row["settings"][k]) for k in keys[1:]]
-        texts += [metric_text(k, row[k]) for k in METRICS[:8]]
-        texts += [_queue_text(row["queue_s_by_reason"]), "<- best" if i == result.best else ""]
-        rows.append((str(row["settings"][keys[0]]), texts))
-    return aligned(header, rows)
-
-
-def report(result: WhatIf) -> list[str]:
-    """What `stepscope trace whatif` prints after its self-check line."""
-    lines = [*model_lines(result.model), "", grid_table(result), ""]
-    if result.slos:
-        wanted = " and ".join(f"{k} <= {format_seconds(v)}" for k, v in result.slos.items())
-        if result.best is None:
-            lines.append(f"no setting meets {wanted}")
-        else:
-            best = result.rows[result.best]["settings"]
-            lines.append(f"best under {wanted}: {_settings_text(best)} (the highest throughput)")
-    elif result.best is not None:
-        best = result.rows[result.best]["settings"]
-        lines.append(f"highest throughput: {_settings_text(best)} (no --slo given)")
-    lines += [f"note: {note}" for note in result.notes]
-    lines.append(CANNOT_PREDICT)
-    return lines
-
-
-def trace_whatif(
-    path: str,
-    grid_specs: Sequence[str],
-    slo_specs: Sequence[str] = (),
-    as_json: bool = False,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-) -> int:
-    """`stepscope trace whatif TRACE --grid KEY=V1,V2 ... [--slo KEY=SECONDS] [--json]`: the
-    self-check line first (on `err` with `as_json`), then the table of every setting; with
-    `as_json` stdout is only the list of settings' objects."""
-    out, err = out or sys.stdout, err or sys.stderr
-    grid, slos = parse_grid(grid_specs), parse_slo(slo_specs)
-    if not grid:
-        raise ValueError("give at least one --grid KEY=V1,V2,...")
-    with open_trace(path) as source:
-        result = whatif(source, grid, slos)
-    print(self_check_line(result), file=err if as_json else out)
-    if as_json:
-        print(json.dumps(result.rows, indent=2), file=out)
-        return 0
-    print("\n".join(report(result)), file=out)
-    return 0

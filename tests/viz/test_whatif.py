@@ -20,6 +20,7 @@ from stepscope.traces.backend.compare import METRICS, recorded_requests, recorde
 from stepscope.traces.backend.store import TraceStore
 from stepscope.traces.backend.workload import load_workload, synthetic_prompts
 from stepscope.viz import whatif as w
+from stepscope.viz import whatif_report
 from stepscope.viz.cost_model import fit_cost_model, nonnegative_least_squares
 from tests.viz.whatif_workload import COST, bursty_chat
 
@@ -139,11 +140,11 @@ def test_self_check_and_grid_on_a_recorded_run(offline_store):
     one_at_a_time = result.rows[0]["queue_s_by_reason"]
     assert one_at_a_time.get("max_num_seqs", 0) > 0
     assert result.best is not None
-    line = w.self_check_line(result)
+    line = whatif_report.self_check_line(result)
     assert line.startswith("self-check") and "ttft_p90" in line and "throughput" in line
-    text = "\n".join(w.report(result))
+    text = "\n".join(whatif_report.report(result))
     assert "cost model, fitted on" in text and "fit error" in text and "<- best" in text
-    assert w.CANNOT_PREDICT in text and "e+" not in text
+    assert whatif_report.CANNOT_PREDICT in text and "e+" not in text
 
 
 def test_cli_json_prints_only_the_list_and_the_self_check_on_stderr(traced_offline_run, capsys):

@@ -148,6 +148,6 @@ def _trace_compare(args: argparse.Namespace) -> int:
 
 
 def _trace_whatif(args: argparse.Namespace) -> int:
-    from stepscope.viz.whatif import trace_whatif
+    from stepscope.viz.whatif_report import trace_whatif
 
     return trace_whatif(args.path, args.grid, args.slo, as_json=args.json)
