@@ -35,8 +35,13 @@ def keep_freed_memory() -> None:
 
 
 def cpu_threads() -> int:
-    """torch's intra-op threads, capped by the cores this process may run on."""
-    return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0))))
+    """torch's intra-op threads, capped by the cores this process may run on (all of them where
+    the OS cannot say, as macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores))
 
 
 class Worker:
