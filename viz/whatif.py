@@ -491,3 +491,59 @@ def whatif(source: Queryable, grid: dict[str, list[Any]], slos: dict[str, float]
         )
     return WhatIf(rows, recorded_table(source), recorded_run.table, model, slos,
                   best_row(rows, slos), notes)  # fmt: skip
+
+
+# ---- one trace, many settings (the dashboard's What if page) -----------------------------------
+@dataclass(slots=True)
+class LoadedTrace:
+    """A trace read once for many one-setting predictions: its workload and synthetic prompts,
+    the cost model fitted on its steps, the recorded settings (flat) and KV pool, the recorded
+    run's table and what the prediction should be read with (`notes`)."""
+
+    workload: Workload
+    prompts: list[list[int]]
+    model: CostModel
+    flat: dict[str, Any]
+    pool: int
+    recorded: dict[str, Any]
+    notes: list[str]
+
+    def settings(self, changes: dict[str, Any]) -> SchedulerSettings:
+        """The recorded settings with `changes` (GRID_KEYS), validated (ValueError: why not)."""
+        return resolve(self.flat, changes, self.pool)
+
+    def predict(self, changes: dict[str, Any]) -> Prediction:
+        return simulate(self.workload, self.prompts, self.settings(changes), self.model)
+
+
+def trace_notes(flat: dict[str, Any], model: CostModel) -> list[str]:
+    """What a prediction over this trace should be read with."""
+    notes = []
+    if flat.get("async_scheduling"):
+        notes.append(
+            "the run was recorded with async scheduling: the simulated scheduler runs one step "
+            "at a time, each timed by the model fitted on the steps' own times"
+        )
+    if not model.has_context:
+        notes.append(
+            "the trace's steps have no num_context_tokens (recorded before it existed): the model "
+            "has no attention term"
+        )
+    return notes
+
+
+def load_trace(source: Queryable) -> LoadedTrace:
+    """Read a trace once for many `LoadedTrace.predict` calls. A trace that cannot be predicted
+    (no recorded configuration, no request, fewer than two steps, no pool size) raises
+    ValueError saying why."""
+    workload = load_workload(source)
+    if not workload.requests:
+        raise ValueError("the trace holds no request: nothing to predict")
+    model = fit_cost_model(source)
+    flat = recorded_flat(workload)
+    pool = flat.get("num_kv_blocks") or _recorded_pool(source)
+    if pool is None:
+        raise ValueError("the trace records no KV pool size (no step has kv_total_blocks)")
+    prompts = synthetic_prompts(workload, _VOCAB)
+    return LoadedTrace(workload, prompts, model, flat, int(pool), recorded_table(source),
+                       trace_notes(flat, model))  # fmt: skip
