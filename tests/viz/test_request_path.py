@@ -56,8 +56,9 @@ def test_every_stage_is_measured_for_a_request(source):
     # The waiting queue starts once the engine core has the request, not before.
     assert first[3] >= occ.loc[occ["stage"] == 2, "end_ns"].min()
     assert occ["start_ns"].min() >= request["start_ns"]
-    # Only rank 0 replies: another rank may end its last forward after the request has finished.
-    caused = occ[(occ["stage"] != 6) | (occ["rank"] == 0)]
+    # A worker step (stage 6) holds its own reply's send (rank 0), and another rank may end its
+    # last forward later still: on a loaded machine the API side can end the request first.
+    caused = occ[occ["stage"] != 6]
     assert caused["end_ns"].max() <= request["end_ns"]
     assert occ["start_ns"].max() <= request["end_ns"]
 
