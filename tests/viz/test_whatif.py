@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import psutil
 import pytest
 
 from stepscope.engine.entrypoints.cli.main import main
@@ -200,13 +201,16 @@ def test_a_prompt_longer_than_the_pool_is_refused(chats):
         w.simulate(workload, prompts, settings, COST)
 
 
-def test_worker_processes_predict_the_same(chats, monkeypatch):
+def test_worker_processes_predict_the_same_and_are_gone_after(chats, monkeypatch, process_tree):
     workload, prompts, flat = chats
     settings = [w.resolve(flat, {"max_num_seqs": n}, 2048) for n in (8, 16, 8, 32)]
     alone = w.predict(workload, prompts, settings, COST)
     monkeypatch.setattr(w, "PARALLEL_TOKENS", 0)
     monkeypatch.setattr(w.os, "sched_getaffinity", lambda pid: {0, 1})
-    spread = w.predict(workload, prompts, settings, COST)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with process_tree.adopting():
+        spread = w.predict(workload, prompts, settings, COST)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     assert [p.table for p in spread] == [p.table for p in alone]
     assert spread[0].table == spread[2].table
 
