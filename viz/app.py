@@ -1,4 +1,5 @@
-"""The stepscope dashboard: scheduler simulator, one request's path, and the engine's steps.
+"""The stepscope dashboard: scheduler simulator, one request's path, the engine's steps, and what
+the recorded run would have done under other scheduler settings.
 
 `build_app(source)` builds one session's page. `source` is a trace source (`DuckDBSource` for a
 finished run's file, `CollectorSource` for a running collector, `StoreSource` inside the collector
@@ -21,6 +22,7 @@ from stepscope.traces.backend.source import CollectorSource, DuckDBSource, Store
 from stepscope.viz.engine_page import EnginePage
 from stepscope.viz.path_page import RequestPathPage
 from stepscope.viz.simulator_page import SimulatorPage
+from stepscope.viz.whatif_page import WhatIfPage
 
 __all__ = [
     "CollectorSource",
@@ -29,6 +31,7 @@ __all__ = [
     "RequestPathPage",
     "SimulatorPage",
     "StoreSource",
+    "WhatIfPage",
     "build_app",
 ]
 
@@ -50,11 +53,14 @@ def build_app(source: TraceSource | None = None) -> pn.template.BootstrapTemplat
         tabs.active = 1
 
     engine = EnginePage(source, open_request)
+    # Read and fitted once per session; a live source reloads with the page's own button.
+    whatif = WhatIfPage(source)
     tabs.extend(
         [
             ("Scheduler simulator", simulator.panel),
             ("Request path", path.panel),
             ("Engine", engine.panel),
+            ("What if", whatif.panel),
         ]
     )
     label = "no trace loaded" if source is None else source.label

@@ -193,6 +193,31 @@ def test_engine_page_replays_the_trace_and_opens_a_request(replay_page, artifact
     page.assert_only_local()
 
 
+def test_whatif_page_slider_changes_the_predicted_numbers(replay_page, artifacts, source):
+    from stepscope.traces.backend.compare import metric_text
+    from stepscope.viz.whatif import load_trace
+
+    loaded = load_trace(source)  # what the page predicts, computed here
+    recorded = loaded.settings({})
+    settings = {"max_num_batched_tokens": recorded.max_num_batched_tokens,
+                "num_kv_blocks": recorded.num_kv_blocks}  # fmt: skip
+    before = loaded.predict({}).table
+    after = loaded.predict({**settings, "max_num_seqs": 1}).table
+    four = loaded.predict({**settings, "max_num_seqs": 4}).table
+    assert after["ttft_p90_s"] > before["ttft_p90_s"] and four["ttft_p90_s"] != after["ttft_p90_s"]
+    page = replay_page
+    page.tab("What if")
+    page.expect_text("ro-wi-ttft-p90", metric_text("ttft_p90_s", before["ttft_p90_s"]))
+    _press(page, "wi-seqs", "Home", 1)  # max_num_seqs 1: one request at a time
+    page.expect_text("ro-wi-ttft-p90", metric_text("ttft_p90_s", after["ttft_p90_s"]))
+    page.expect_text("ro-wi-throughput", metric_text("throughput_tok_s", after["throughput_tok_s"]))
+    _press(page, "wi-seqs", "ArrowRight", 3)  # moves in quick succession: the last one counts
+    page.expect_text("ro-wi-ttft-p90", metric_text("ttft_p90_s", four["ttft_p90_s"]))
+    assert "max_num_seqs 4 (recorded" in page.text("wi-status")
+    page.screenshot(artifacts / "whatif.png")
+    page.assert_only_local()
+
+
 # ---- live: the dashboard inside the collector process -----------------------------------------
 class LiveCollector:
     """A collector process serving the dashboard from its own store, fed synthetic spans on
