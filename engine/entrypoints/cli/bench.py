@@ -18,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_soak(bench_sub)
     _add_latency(bench_sub)
     _add_accuracy(bench_sub)
+    _add_whatif(bench_sub)
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -229,3 +230,41 @@ def _bench_accuracy(args: argparse.Namespace) -> None:
     from stepscope.engine.bench.accuracy import bench_accuracy
 
     bench_accuracy(args)
+
+
+def _add_whatif(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "whatif", help="trace whatif's predictions against replays of three recorded workloads"
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="tiny-llama for a quick run")
+    p.add_argument(
+        "--workloads",
+        default="bursty_chat,long_prompt,small_pool",
+        help="which of the three to record, comma-separated",
+    )
+    p.add_argument("--chats", type=int, default=32, help="bursty chat: requests")
+    p.add_argument("--short-chats", type=int, default=12, help="long prompt: the short chats")
+    p.add_argument("--long-prompt", type=int, default=1024, help="long prompt: its tokens")
+    p.add_argument("--pool-chats", type=int, default=12, help="small pool: requests")
+    p.add_argument("--max-prompt", type=int, default=400, help="longest chat prompt, tokens")
+    p.add_argument("--max-output", type=int, default=128, help="longest chat output, tokens")
+    p.add_argument("--replays", type=int, default=2, help="replays of each setting (>= 2)")
+    p.add_argument(
+        "--grid-requests",
+        type=int,
+        default=1000,
+        help="requests of the hand-made bursty chat mix the 9-setting grid is timed on (0: none)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--traces", default=None, help="keep the recorded and replayed traces in this folder"
+    )
+    p.add_argument("--out", default=None, help="write every number as JSON to this file")
+    p.set_defaults(func=_bench_whatif)
+
+
+def _bench_whatif(args: argparse.Namespace) -> int:
+    from stepscope.engine.bench.whatif import bench_whatif
+    from stepscope.viz import whatif  # engine/ sits below viz/: the predictor is handed in
+
+    return bench_whatif(args, whatif)
