@@ -75,6 +75,10 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(num_required - len(blocks) - len(computed_hits), 0)
+        if not num_new_blocks and not computed_hits:
+            # The room is held already (most decodes: part way through their last block).
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+            return []
         # Hits sitting in the free queue stop being free once taken.
         num_hits_free = sum(1 for b in computed_hits if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_hits_free:
