@@ -139,7 +139,9 @@ class WhatIfPage:
         self.queue_source = ColumnDataSource(dict(y=[], seconds=[], text=[], series=[], color=[]))
         self.latency_fig, self.queue_fig = self._figures()
         self.content = self._layout()
-        self.panel = pn.Column(self.empty, self.problem, self.content, sizing_mode="stretch_width")
+        self.panel = pn.Column(
+            self.empty, self.problem, self.reload, self.content, sizing_mode="stretch_width"
+        )
         self.load()
 
     # -- layout --
@@ -177,7 +179,7 @@ class WhatIfPage:
         )
         controls = pn.Column(
             *self.sliders.values(),
-            pn.Row(self.reset, self.reload),
+            self.reset,
             self.error,
             self.status,
             width=420,
@@ -218,6 +220,11 @@ class WhatIfPage:
                 else f"**Reading this trace for a prediction failed:** {type(error).__name__}: "
                 f"{error}"
             )
+            if self.source.live:
+                self.problem.object += (
+                    " This source is live: if a run is still on its way, read the trace again "
+                    "once it has sent its requests and steps."
+                )
             self.problem.visible, self.content.visible = True, False
             return
         self.loaded, self.baseline = loaded, baseline

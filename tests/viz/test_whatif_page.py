@@ -1,7 +1,7 @@
 """The dashboard's What if page without a browser: its sliders start at the real TP=2 run's
 recorded settings, and moving one changes the numbers it shows to whatif's prediction for the
-new setting, the trace read once; a trace it cannot predict shows why. The browser test is in
-test_dashboard_browser.py."""
+new setting, the trace read once; a trace it cannot predict shows why, and a live one is read
+again with the page's button. The browser test is in test_dashboard_browser.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import pytest
 
 from stepscope.traces.backend.compare import metric_text, recorded_table
-from stepscope.traces.backend.source import DuckDBSource
+from stepscope.traces.backend.source import StoreSource
 from stepscope.traces.backend.store import TraceStore
 from stepscope.viz.whatif import load_trace
 from stepscope.viz.whatif_page import READOUTS, WhatIfPage, knob_range
@@ -64,16 +64,20 @@ def test_a_setting_the_engine_would_refuse_says_why(source):
     assert set(shown(page).values()) == {"-"}
 
 
-def test_a_trace_without_the_recorded_config_shows_why_instead_of_an_error(tmp_path):
-    path = tmp_path / "old.duckdb"
-    TraceStore(path).close()  # the views of a trace, without a stepscope.run span
-    source = DuckDBSource(path)
+def test_a_trace_it_cannot_predict_says_why_and_a_live_one_is_read_again(source, tmp_path):
+    store = TraceStore(tmp_path / "live.duckdb")  # as a collector's: no span yet
     try:
-        page = WhatIfPage(source)
+        page = WhatIfPage(StoreSource(store))
+        assert page.loaded is None and page.problem.visible and not page.content.visible
+        assert "recorded before replay existed" in page.problem.object
+        assert "read the trace again" in page.problem.object and page.reload.visible
+        store.con.register("recorded", source.df("SELECT * FROM spans"))
+        store.con.execute("INSERT INTO spans SELECT * FROM recorded")  # the TP=2 run arrives
+        page.reload.clicks += 1
+        assert page.loaded is not None and page.content.visible and not page.problem.visible
+        assert shown(page) == expected(page.loaded.predict({}).table)
     finally:
-        source.close()
-    assert page.loaded is None and page.problem.visible and not page.content.visible
-    assert "recorded before replay existed" in page.problem.object
+        store.close()
 
 
 @pytest.mark.parametrize(
