@@ -53,7 +53,7 @@ from stepscope.engine.bench.whatif_workloads import (
     warm_up,
 )
 from stepscope.traces.backend.compare import metric_text, recorded_table
-from stepscope.traces.backend.source import open_trace
+from stepscope.traces.backend.source import Queryable, open_trace
 from stepscope.traces.backend.units import format_number, format_seconds
 from stepscope.traces.backend.workload import load_workload, synthetic_prompts
 
@@ -102,19 +102,18 @@ class WorkloadResult:
 
 
 # ---- one workload ------------------------------------------------------------------------------
-def _recorded_pool(trace: str) -> int | None:
-    with open_trace(trace) as source:
-        blocks = source.df("SELECT max(kv_total_blocks) AS blocks FROM steps")["blocks"]
+def _recorded_pool(source: Queryable) -> int | None:
+    blocks = source.df("SELECT max(kv_total_blocks) AS blocks FROM steps")["blocks"]
     return None if blocks.isna().all() else int(blocks.iloc[0])
 
 
 def predict_cases(api: WhatifApi, trace: str) -> tuple[list[Case], Any]:
     """Each case of the recorded trace predicted by `whatif` (a one-setting grid), and the
     answer of the first (its self-check and cost model)."""
-    workload = load_workload(trace)
     cases, first = [], None
     with open_trace(trace) as source:
-        for label, changes in cases_for(workload.engine_config, _recorded_pool(trace)):
+        config = load_workload(source).engine_config
+        for label, changes in cases_for(config, _recorded_pool(source)):
             answer = api.whatif(source, {k: [v] for k, v in changes.items()}, {})
             first = first or answer
             (row,) = answer.rows
@@ -228,7 +227,8 @@ def summary_lines(results: list[WorkloadResult], grid: GridTiming | None) -> lis
     if grid is not None:
         lines.append(
             f"what-if grid: {grid.settings} settings over {format_number(grid.requests)} bursty "
-            f"chat requests predicted in {format_seconds(grid.seconds)} ({grid.cores} cores)"
+            f"chat requests predicted in {format_seconds(grid.seconds)} ({grid.cores} cores "
+            "allowed)"
         )
     return lines
 
