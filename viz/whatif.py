@@ -465,32 +465,13 @@ def _recorded_pool(source: Queryable) -> int | None:
 def whatif(source: Queryable, grid: dict[str, list[Any]], slos: dict[str, float]) -> WhatIf:
     """Predict the run's table for every setting of the cartesian `grid` (from `parse_grid`),
     and for the recorded settings (the self-check, against the recorded run's table)."""
-    workload = load_workload(source)
-    if not workload.requests:
-        raise ValueError("the trace holds no request: nothing to predict")
-    model = fit_cost_model(source)
-    flat = recorded_flat(workload)
-    pool = flat.get("num_kv_blocks") or _recorded_pool(source)
-    if pool is None:
-        raise ValueError("the trace records no KV pool size (no step has kv_total_blocks)")
+    loaded = load_trace(source)
     changes = grid_settings(grid)
-    settings = [resolve(flat, {}, pool), *(resolve(flat, c, pool) for c in changes)]
-    prompts = synthetic_prompts(workload, _VOCAB)
-    recorded_run, *predicted = predict(workload, prompts, settings, model)
+    settings = [loaded.settings({}), *(loaded.settings(c) for c in changes)]
+    recorded_run, *predicted = predict(loaded.workload, loaded.prompts, settings, loaded.model)
     rows = [{"settings": c, **p.table} for c, p in zip(changes, predicted, strict=True)]
-    notes = []
-    if flat.get("async_scheduling"):
-        notes.append(
-            "the run was recorded with async scheduling: the simulated scheduler runs one step "
-            "at a time, each timed by the model fitted on the steps' own times"
-        )
-    if not model.has_context:
-        notes.append(
-            "the trace's steps have no num_context_tokens (recorded before it existed): the model "
-            "has no attention term"
-        )
-    return WhatIf(rows, recorded_table(source), recorded_run.table, model, slos,
-                  best_row(rows, slos), notes)  # fmt: skip
+    return WhatIf(rows, loaded.recorded, recorded_run.table, loaded.model, slos,
+                  best_row(rows, slos), loaded.notes)  # fmt: skip
 
 
 # ---- one trace, many settings (the dashboard's What if page) -----------------------------------
