@@ -24,6 +24,7 @@ import pandas as pd
 
 from stepscope.traces.backend.queries import STEPS_WITH_OWN_TIME
 from stepscope.traces.backend.source import Queryable
+from stepscope.traces.backend.workload import check_one_run
 
 # The mean gap between steps is part of the model when it is at least this share of a step.
 GAP_MATTERS = 0.01
@@ -120,7 +121,9 @@ def between_steps(steps: pd.DataFrame, requests: pd.DataFrame) -> tuple[np.ndarr
 
 
 def fit_cost_model(source: Queryable) -> CostModel:
-    """The cost model fitted on a trace's own steps (see the module docstring)."""
+    """The cost model fitted on a trace's own steps (see the module docstring). A trace holding
+    several runs raises ValueError (`workload.check_one_run`)."""
+    check_one_run(source)
     steps = source.df(_FIT_STEPS)
     if len(steps) < 2:
         raise ValueError("the trace holds fewer than two engine steps: nothing to fit a model to")

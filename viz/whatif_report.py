@@ -13,6 +13,7 @@ from typing import TextIO
 from stepscope.traces.backend.compare import METRICS, aligned, metric_text
 from stepscope.traces.backend.source import open_trace
 from stepscope.traces.backend.units import format_seconds
+from stepscope.traces.backend.workload import check_one_run
 from stepscope.viz.cost_model import GAP_MATTERS, CostModel
 from stepscope.viz.whatif import WhatIf, parse_grid, parse_slo, settings_text, whatif
 
@@ -120,6 +121,7 @@ def trace_whatif(
     if not grid:
         raise ValueError("give at least one --grid KEY=V1,V2,...")
     with open_trace(path) as source:
+        check_one_run(source, path)  # the error names the file
         result = whatif(source, grid, slos)
     print(self_check_line(result), file=err if as_json else out)
     if as_json:

@@ -3,14 +3,21 @@ TP=2 run, and synthetic prompts built from hand-made workloads."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
 from stepscope.traces import names as n
+from stepscope.traces.backend.compare import compare, recorded_table
+from stepscope.traces.backend.source import open_trace
 from stepscope.traces.backend.store import TraceStore
 from stepscope.traces.backend.workload import (
     RecordedRequest,
     Workload,
     load_workload,
+    run_starts,
     synthetic_prompts,
 )
 from stepscope.traces.spans import prompt_block_hashes
@@ -118,3 +125,82 @@ def test_trace_without_a_run_span_is_refused_by_name(tmp_path):
     store.close()
     with pytest.raises(ValueError, match="recorded before replay existed"):
         load_workload(str(path))
+
+
+# ---- one run per trace ---------------------------------------------------------------------------
+def appended_again(trace: str, path: Path, later_s: float = 60.0) -> str:
+    """A copy of `trace` with every one of its spans appended again `later_s` later, under new
+    ids and from another process: what a second run given the same trace file leaves."""
+    shutil.copy(trace, path)
+    shift = round(later_s * 1e9)
+    store = TraceStore(path)
+    spans = store.df("SELECT * FROM spans").to_dict("records")
+    again = []
+    for span in spans:
+        events = json.loads(span["events"])
+        for event in events:
+            event["time_ns"] += shift
+        resource = json.loads(span["resource"])
+        resource[n.PROCESS_PID] = resource.get(n.PROCESS_PID, 0) + 1
+        parent = span["parent_span_id"]
+        ids = {"trace_id": _other(span["trace_id"]), "span_id": _other(span["span_id"])}
+        again.append({**span, **ids,
+                      "parent_span_id": _other(parent) if isinstance(parent, str) else None,
+                      "start_ns": span["start_ns"] + shift, "end_ns": span["end_ns"] + shift,
+                      "events": events, "resource": resource})  # fmt: skip
+    store.insert_spans(again)
+    store.close()
+    return str(path)
+
+
+def _other(hex_id: str) -> str:
+    """Another id: the first hex digit moved by 8."""
+    return f"{(int(hex_id[0], 16) + 8) % 16:x}" + hex_id[1:]
+
+
+def test_a_trace_holding_two_runs_is_refused_by_every_reader(traced_offline_run, tmp_path):
+    path = appended_again(traced_offline_run, tmp_path / "two.duckdb")
+    with open_trace(traced_offline_run) as one, open_trace(path) as two:
+        assert len(run_starts(one)) == 1
+        first, second = run_starts(two)
+        assert second - first == 60_000_000_000
+        for read in (load_workload, recorded_table, lambda s: compare(one, s)):
+            with pytest.raises(ValueError, match=r"holds 2 runs, started at .*its own file"):
+                read(two)
+    with pytest.raises(ValueError, match=f"{path} holds 2 runs"):
+        load_workload(path)
+
+
+def _span(name: str, start_s: float, pid: int, **attributes) -> dict:
+    start = round(start_s * 1e9)
+    return {"trace_id": f"{start:032x}", "span_id": f"{start:016x}", "name": name,
+            "start_ns": start, "end_ns": start + 1, "attributes": attributes,
+            "resource": {n.PROCESS_PID: pid}}  # fmt: skip
+
+
+def _runs(tmp_path: Path, *spans: dict) -> int:
+    path = tmp_path / "runs.duckdb"
+    path.unlink(missing_ok=True)
+    store = TraceStore(path)
+    store.insert_spans(spans)
+    count = len(run_starts(store))
+    store.close()
+    return count
+
+
+def test_api_servers_of_one_deployment_are_one_run_a_process_starting_again_another(tmp_path):
+    config = {n.ENGINE_CONFIG: '{"a": 1}', n.ENTRY: n.ENTRY_SERVE}
+    api_0, api_1 = _span(n.RUN, 1, pid=10, **config), _span(n.RUN, 2, pid=11, **config)
+    assert _runs(tmp_path, api_0, api_1) == 1
+    assert _runs(tmp_path, api_0, api_1, _span(n.RUN, 9, pid=10, **config)) == 2
+    other = _span(n.RUN, 9, pid=12, **{**config, n.ENGINE_CONFIG: '{"a": 2}'})
+    assert _runs(tmp_path, api_0, api_1, other) == 2
+
+
+def test_an_engine_core_starting_again_is_another_run(tmp_path):
+    step = {n.STEP: 0}
+    assert _runs(tmp_path, _span(n.ENGINE_STEP, 1, 5, **step), _span(n.ENGINE_STEP, 2, 6, **step,
+                 **{n.DP_RANK: 1})) == 1  # fmt: skip
+    assert (
+        _runs(tmp_path, _span(n.ENGINE_STEP, 1, 5, **step), _span(n.ENGINE_STEP, 2, 6, **step)) == 2
+    )

@@ -23,6 +23,7 @@ from stepscope.traces.backend.workload import load_workload, synthetic_prompts
 from stepscope.viz import whatif as w
 from stepscope.viz import whatif_report
 from stepscope.viz.cost_model import fit_cost_model, nonnegative_least_squares
+from tests.traces.test_workload import appended_again
 from tests.viz.whatif_workload import COST, bursty_chat
 
 ROW_KEYS = {"settings", *METRICS}
@@ -159,6 +160,28 @@ def test_cli_json_prints_only_the_list_and_the_self_check_on_stderr(traced_offli
         main(["trace", "whatif", traced_offline_run, "--grid", "dtype=float16"])
     assert exit_info.value.code == 2
     assert "a trace taken under the dtype you want is needed" in capsys.readouterr().err
+
+
+def test_a_trace_holding_two_runs_is_refused_before_any_prediction(
+    traced_offline_run, tmp_path, capsys
+):
+    path = appended_again(traced_offline_run, tmp_path / "two.duckdb")
+    store = TraceStore(path, read_only=True)
+    try:
+        for read in (
+            fit_cost_model,
+            w.load_trace,
+            lambda s: w.whatif(s, {"max_num_seqs": [2]}, {}),
+        ):
+            with pytest.raises(ValueError, match="holds 2 runs, started at .*its own file"):
+                read(store)
+    finally:
+        store.close()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["trace", "whatif", path, "--grid", "max_num_seqs=2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{path} holds 2 runs" in err and "record each run to its own file" in err
 
 
 # ---- a hand-made workload ----------------------------------------------------------------------

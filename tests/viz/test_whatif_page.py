@@ -80,6 +80,19 @@ def test_a_trace_it_cannot_predict_says_why_and_a_live_one_is_read_again(source,
         store.close()
 
 
+def test_a_trace_holding_two_runs_says_so(source, tmp_path):
+    store = TraceStore(tmp_path / "twice.duckdb")
+    try:
+        store.con.register("recorded", source.df("SELECT * FROM spans"))
+        for _ in range(2):  # the TP=2 run, and the same process's run again into the same file
+            store.con.execute("INSERT INTO spans SELECT * FROM recorded")
+        page = WhatIfPage(StoreSource(store))
+        assert page.loaded is None and page.problem.visible and not page.content.visible
+        assert "holds 2 runs" in page.problem.object and "its own file" in page.problem.object
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(
     ("recorded", "low", "high", "want"),
     [(64, 16, 256, (16, 256, 1)), (2048, 16, 8192, (32, 8192, 32)), (5, 9, 20, (5, 20, 1))],

@@ -32,6 +32,7 @@ import pandas as pd
 from stepscope.traces.backend.explain import _in_order, _queue_reasons
 from stepscope.traces.backend.source import Queryable, open_trace
 from stepscope.traces.backend.units import format_number, format_seconds
+from stepscope.traces.backend.workload import check_one_run
 
 METRICS = (
     "ttft_p50_s",
@@ -170,8 +171,10 @@ def queue_split(steps: StepColumns, queued_ns: int, scheduled_ns: int) -> dict[s
     return _queue_reasons(steps[lo:hi], queued_ns, scheduled_ns)
 
 
-def recorded_requests(source: Queryable) -> list[RequestTimes]:
-    """Every finished request of a trace, with its queue time by reason, from the views."""
+def recorded_requests(source: Queryable, label: str = "this trace") -> list[RequestTimes]:
+    """Every finished request of a trace, with its queue time by reason, from the views. A
+    trace holding several runs raises ValueError (`workload.check_one_run`)."""
+    check_one_run(source, label)
     frame = source.df(_REQUESTS)
     steps = source.df(_STEPS)
     by_rank = {
@@ -202,9 +205,9 @@ def recorded_requests(source: Queryable) -> list[RequestTimes]:
     return out
 
 
-def recorded_table(source: Queryable) -> dict[str, Any]:
+def recorded_table(source: Queryable, label: str = "this trace") -> dict[str, Any]:
     """A recorded run's table, read from its views."""
-    return run_table(recorded_requests(source))
+    return run_table(recorded_requests(source, label))
 
 
 # ---- two runs --------------------------------------------------------------------------------
@@ -237,9 +240,12 @@ def pair_requests(
     return pairs
 
 
-def compare(a: Queryable, b: Queryable) -> dict[str, Any]:
-    """Both runs' tables, the ratio B/A, and each request's numbers in both runs."""
-    req_a, req_b = recorded_requests(a), recorded_requests(b)
+def compare(
+    a: Queryable, b: Queryable, labels: tuple[str, str] = ("trace A", "trace B")
+) -> dict[str, Any]:
+    """Both runs' tables, the ratio B/A, and each request's numbers in both runs (`labels`
+    name the traces in errors)."""
+    req_a, req_b = recorded_requests(a, labels[0]), recorded_requests(b, labels[1])
     table_a, table_b = run_table(req_a), run_table(req_b)
     return {
         "a": table_a,
@@ -300,7 +306,7 @@ def trace_compare(
     `as_json`, the tables, the ratios and each request's numbers as JSON."""
     out = out or sys.stdout
     with open_trace(path_a) as a, open_trace(path_b) as b:
-        result = compare(a, b)
+        result = compare(a, b, (path_a, path_b))
     if as_json:
         print(json.dumps(result, indent=2), file=out)
         return 0

@@ -7,7 +7,9 @@ blocks (`stepscope.prompt_block_hashes`), plus the run's whole engine configurat
 path (the `stepscope.run` span). `synthetic_prompts` turns the hashes back into token ids that
 share exactly the blocks the recorded prompts shared, so a replay meets the prefix cache as the
 recording did without the trace holding any prompt (the ids themselves are recorded only under
-`--trace-content`). Pure trace reading: nothing here imports the engine.
+`--trace-content`). `check_one_run` refuses a trace file that several runs were given (each
+appends to it): every reader of a recorded run calls it. Pure trace reading: nothing here
+imports the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,7 @@ import pandas as pd
 
 from stepscope.traces import names as n
 from stepscope.traces.backend.source import Queryable, open_trace
+from stepscope.traces.backend.views import dp_rank_sql
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,64 @@ ORDER BY start_ns, queued_ns NULLS LAST, span_id
 """
 
 
+# ---- one run per trace -------------------------------------------------------------------------
+# Every front end's `stepscope.run` span (one per API server), and every engine core's first
+# step (one per DP rank): the two ways a second run given the same trace file shows.
+_RUN_SPANS = f"""
+SELECT start_ns, json_extract_string(attributes, '$."{n.ENGINE_CONFIG}"') AS engine_config,
+       CAST(json_extract(resource, '$."{n.PROCESS_PID}"') AS BIGINT) AS pid
+FROM spans WHERE name = '{n.RUN}' ORDER BY start_ns
+"""
+_FIRST_STEPS = f"""
+SELECT {dp_rank_sql()} AS dp_rank, start_ns FROM spans
+WHERE name = '{n.ENGINE_STEP}' AND CAST(json_extract(attributes, '$."{n.STEP}"') AS BIGINT) = 0
+ORDER BY start_ns
+"""
+
+
+def run_starts(source: Queryable) -> list[int]:
+    """When each run recorded in the trace started (ns since the epoch; empty: no run span and
+    no first step). Runs given the same trace file are appended to it, one after the other.
+    Run spans from different processes with the same configuration are one run (the API
+    servers of one deployment); one process starting again, or another configuration, is
+    another run. An engine core's step 0 seen again on a DP rank is another run too (the
+    start of the latest run span before it)."""
+    spans = source.df(_RUN_SPANS)
+    groups: list[tuple[int, str | None, set[int | None]]] = []
+    for start, config, pid in spans.itertuples(index=False):
+        pid = None if _null(pid) else int(pid)
+        if groups and config == groups[-1][1] and pid is not None and pid not in groups[-1][2]:
+            groups[-1][2].add(pid)
+        else:
+            groups.append((int(start), config, {pid}))
+    starts = [g[0] for g in groups]
+    firsts = source.df(_FIRST_STEPS)
+    by_rank = firsts.groupby("dp_rank")["start_ns"].apply(list) if len(firsts) else []
+    engine = max(by_rank, key=len, default=[])
+    if len(engine) > len(starts):
+        span_starts = np.array([g[0] for g in groups], dtype=np.int64)
+        before = span_starts.searchsorted(np.array(engine, dtype=np.int64), "right") - 1
+        found = [
+            int(span_starts[i]) if i >= 0 else int(s) for i, s in zip(before, engine, strict=True)
+        ]
+        starts = found if len(set(found)) == len(found) else [int(s) for s in engine]
+    return starts
+
+
+def check_one_run(source: Queryable, label: str = "this trace") -> None:
+    """ValueError when the trace holds several runs (`run_starts`): their requests and steps
+    would be read as one run's (request ids repeat, times go backwards)."""
+    starts = run_starts(source)
+    if len(starts) < 2:
+        return
+    when = ", ".join(datetime.fromtimestamp(s / 1e9).strftime("%Y-%m-%d %H:%M:%S") for s in starts)
+    raise ValueError(
+        f"{label} holds {len(starts)} runs, started at {when} (each run given the same trace "
+        "file appends its spans to it), and their requests cannot be told apart: record each "
+        "run to its own file (a new trace_db / --trace-db path per run)"
+    )
+
+
 def load_workload(source: str | Queryable) -> Workload:
     """The workload of a trace file, a running collector's URL, or an open `Queryable`. A trace
     without the recorded configuration raises ValueError."""
@@ -84,6 +146,7 @@ def load_workload(source: str | Queryable) -> Workload:
 
 
 def _load(source: Queryable, label: str) -> Workload:
+    check_one_run(source, label)
     run = source.df(_RUN)
     if run.empty or run.engine_config[0] is None:
         raise ValueError(

@@ -26,6 +26,7 @@ from stepscope.engine import liveness
 from stepscope.engine.entrypoints.serve import wait_healthy
 from stepscope.traces.backend.client import CollectorClient
 from stepscope.traces.backend.store import TraceStore
+from stepscope.traces.backend.workload import run_starts
 from tests.process_tree import noticed_within, pid_alive, wait_pids_gone
 from tests.server_utils import CLI, Server, free_port
 
@@ -91,6 +92,7 @@ def test_two_api_servers_share_the_port_and_reach_both_ranks(tmp_path) -> None:
     store = TraceStore(db, read_only=True)
     try:
         ranks = store.df("SELECT DISTINCT dp_rank FROM requests ORDER BY 1")["dp_rank"].tolist()
+        runs = run_starts(store)  # two API servers' run spans, one run
         servers = store.df(
             "SELECT DISTINCT rank FROM spans WHERE service_name = 'stepscope.api' AND "
             "name = 'stepscope.request'"
@@ -98,6 +100,7 @@ def test_two_api_servers_share_the_port_and_reach_both_ranks(tmp_path) -> None:
     finally:
         store.close()
     assert ranks == [0, 1]
+    assert len(runs) == 1
     assert set(servers) <= {0, 1} and servers  # the spans say which API server served
 
 
