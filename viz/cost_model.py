@@ -12,6 +12,13 @@ its own (outputs out, new requests in): the mean gap from one step's end to the 
 while requests were in the engine is added after every step where it is at least `GAP_MATTERS`
 of the mean step; an idle engine starts its first step `wake_s` after a request reaches it (the
 recorded mean). viz/whatif.py times its simulated steps with it.
+
+A step whose worker got far less CPU than its threads could have used (explain's contention rule,
+`explain.contended`, on the step's `cpu_s`, `worker_s` and `num_threads`) measured the machine,
+not the step: such steps are left out of the fit. When most steps were contended, the trace was
+taken on a busy machine: the fit runs on all of them and says so (`busy_machine`), and every
+prediction inherits that machine's slowness. Steps without a recorded CPU time (older traces, GPU
+workers) are never judged.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from stepscope.traces.backend.explain import contended
 from stepscope.traces.backend.queries import STEPS_WITH_OWN_TIME
 from stepscope.traces.backend.source import Queryable
 from stepscope.traces.backend.workload import check_one_run
@@ -52,6 +60,17 @@ class CostModel:
     mean_abs_error_s: float = 0.0  # of the fitted step times against the recorded ones
     rms_error_s: float = 0.0
     has_context: bool = True  # False: the trace's steps have no num_context_tokens
+    # The steps whose worker got too little CPU (`explain.contended`), their worker's CPU time
+    # over what its threads could have used and over wall time, and their mean own time.
+    contended_steps: int = 0
+    contended_cpu_share: float | None = None
+    contended_cpu_cores: float | None = None
+    contended_mean_step_s: float = 0.0
+    busy_machine: bool = False  # most steps contended: fitted on all of them all the same
+
+    @property
+    def steps_left_out(self) -> int:
+        return 0 if self.busy_machine else self.contended_steps
 
     def step_s(self, prefill: int, decode: int, context: int) -> float:
         return (
@@ -84,7 +103,8 @@ def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 _FIT_STEPS = f"""
 SELECT dp_rank, start_ns, end_ns, own_s, coalesce(num_prefill_tokens, 0) AS prefill,
-       coalesce(num_decode_tokens, 0) AS decode, num_context_tokens AS context
+       coalesce(num_decode_tokens, 0) AS decode, num_context_tokens AS context, cpu_s, worker_s,
+       num_threads
 FROM ({STEPS_WITH_OWN_TIME}) ORDER BY dp_rank, start_ns
 """
 _ENGINE_TIMES = """
@@ -124,30 +144,52 @@ def fit_cost_model(source: Queryable) -> CostModel:
     """The cost model fitted on a trace's own steps (see the module docstring). A trace holding
     several runs raises ValueError (`workload.check_one_run`)."""
     check_one_run(source)
-    steps = source.df(_FIT_STEPS)
+    return fit_steps(source.df(_FIT_STEPS), source.df(_ENGINE_TIMES))
+
+
+def fit_steps(steps: pd.DataFrame, requests: pd.DataFrame) -> CostModel:
+    """The cost model fitted on `steps` (the columns of `_FIT_STEPS`, by rank and start), less
+    the contended ones unless most were; the gaps and wake-ups between all of them, with
+    `requests` (`dp_rank`, `queued_ns`, `finished_ns`) saying when the engine held some."""
     if len(steps) < 2:
         raise ValueError("the trace holds fewer than two engine steps: nothing to fit a model to")
-    has_context = bool(steps["context"].notna().all())
-    context = steps["context"].fillna(0).to_numpy(float) if has_context else np.zeros(len(steps))
+    cpu_s, worker_s, threads = (
+        steps[c].to_numpy(float, na_value=np.nan) for c in ("cpu_s", "worker_s", "num_threads")
+    )
+    starved = contended(cpu_s, worker_s, worker_s * threads)
+    count = int(starved.sum())
+    busy = count > 0 and (2 * count > len(steps) or len(steps) - count < 2)
+    fitted = steps[~starved] if count and not busy else steps
+    has_context = bool(fitted["context"].notna().all())
+    context = fitted["context"].to_numpy(float, na_value=0.0) if has_context else 0.0
     x = np.column_stack(
-        [np.ones(len(steps)), steps["prefill"].to_numpy(float),
-         steps["decode"].to_numpy(float), context]
+        [np.ones(len(fitted)), fitted["prefill"].to_numpy(float),
+         fitted["decode"].to_numpy(float), np.zeros(len(fitted)) + context]
     )  # fmt: skip
-    y = steps["own_s"].to_numpy(float)
+    y = fitted["own_s"].to_numpy(float)
     coef = nonnegative_least_squares(x if has_context else x[:, :3], y)
     coef = np.append(coef, 0.0) if not has_context else coef
     residual = x @ coef - y
-    gaps, wakes = between_steps(steps, source.df(_ENGINE_TIMES))
+    gaps, wakes = between_steps(steps, requests)
     mean_gap = float(gaps.mean()) if len(gaps) else 0.0
     mean_step = float(y.mean())
+    # What the contended steps got: CPU time over their threads' time and over wall time.
+    cpu = float(cpu_s[starved].sum())
+    share = cpu / float((worker_s * threads)[starved].sum()) if count else None
+    cores = cpu / float(worker_s[starved].sum()) if count else None
     return CostModel(
         *(float(c) for c in coef),
         gap_s=mean_gap if mean_gap >= GAP_MATTERS * mean_step else 0.0,
         recorded_gap_s=mean_gap,
         wake_s=float(wakes.mean()) if len(wakes) else 0.0,
-        num_steps=len(steps),
+        num_steps=len(fitted),
         mean_step_s=mean_step,
         mean_abs_error_s=float(np.abs(residual).mean()),
         rms_error_s=float(np.sqrt(np.mean(residual**2))),
         has_context=has_context,
+        contended_steps=count,
+        contended_cpu_share=share,
+        contended_cpu_cores=cores,
+        contended_mean_step_s=float(steps["own_s"][starved].mean()) if count else 0.0,
+        busy_machine=busy,
     )

@@ -1,6 +1,7 @@
 """What `stepscope trace whatif` prints: the self-check line first (on stderr with `--json`),
-the cost model's coefficients and fit error, one line per setting of the grid, the best setting
-under the SLOs and what the prediction cannot see (viz/whatif.py predicts; this only words it).
+the cost model's coefficients and fit error (and the steps it left out for contention, also
+on stderr with `--json`), one line per setting of the grid, the best setting under the SLOs and
+what the prediction cannot see (viz/whatif.py predicts; this only words it).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from stepscope.traces.backend.compare import METRICS, aligned, metric_text
+from stepscope.traces.backend.explain import CONTENTION_CORES, CONTENTION_SHARE
 from stepscope.traces.backend.source import open_trace
 from stepscope.traces.backend.units import format_seconds
 from stepscope.traces.backend.workload import check_one_run
@@ -22,8 +24,9 @@ CANNOT_PREDICT = (
     "quantization, tensor or data parallel size, async scheduling): that needs a trace taken "
     "under it. It forces every request's recorded output length and keeps the recorded "
     "arrivals and API-side times, so it cannot see outputs that would end elsewhere or clients "
-    "that would send later; and each step costs what the fitted model says, so contention from "
-    "other work on the machine is predicted only as far as the recorded steps averaged it in."
+    "that would send later; and each step costs what the fitted model says: steps whose worker got "
+    "too little CPU are left out of the fit, and a machine busier or quieter than the one the "
+    "fitted steps ran on is not foreseen."
 )
 
 
@@ -43,8 +46,35 @@ def self_check_line(result: WhatIf) -> str:
     return "self-check, the recorded settings predicted vs recorded: " + ", ".join(parts)
 
 
+def contention_lines(model: CostModel) -> list[str]:
+    """What the fit did with steps whose worker got too little CPU (none: no such step)."""
+    if not model.contended_steps:
+        return []
+    steps = f"{model.contended_steps} of {model.num_steps + model.steps_left_out} steps"
+    rule = (
+        f"under {CONTENTION_SHARE:.0%} of the CPU its threads could have used and under "
+        f"{CONTENTION_CORES:g} of a core"
+    )
+    got = (
+        f"{model.contended_cpu_share:.0%} of its threads' CPU, {model.contended_cpu_cores:.2f} "
+        f"of a core, measured; {format_seconds(model.contended_mean_step_s)} a step on average"
+    )
+    if model.busy_machine:
+        return [
+            f"the trace was taken on a busy machine: in {steps} the worker got {rule} ({got}), "
+            "so the fit runs on all of them and every prediction inherits that machine's "
+            "slowness; record on a quiet machine for predictions that hold there"
+        ]
+    return [
+        f"{steps} left out of the fit: their worker got {rule} ({got}), so they measure the "
+        "busy machine, not the step; the recorded run's own times include them, so the "
+        "self-check is off by their extra time"
+    ]
+
+
 def model_lines(model: CostModel) -> list[str]:
-    """The cost model's coefficients and fit error, as sentences."""
+    """The cost model's coefficients and fit error, as sentences; then what the fit did with
+    contended steps."""
     terms = (
         f"{format_seconds(model.fixed_s)} + {format_seconds(model.prefill_token_s)} per prefill "
         f"token + {format_seconds(model.decode_token_s)} per decode token + "
@@ -63,6 +93,7 @@ def model_lines(model: CostModel) -> list[str]:
         f"fit error: {format_seconds(model.mean_abs_error_s)} per step on average ({share:.0%} "
         f"of the mean step of {format_seconds(model.mean_step_s)}), root mean square "
         f"{format_seconds(model.rms_error_s)}",
+        *contention_lines(model),
     ]
 
 
@@ -124,7 +155,9 @@ def trace_whatif(
         check_one_run(source, path)  # the error names the file
         result = whatif(source, grid, slos)
     print(self_check_line(result), file=err if as_json else out)
-    if as_json:
+    if as_json:  # stdout is only the list: what the fit left out goes beside the self-check
+        for line in contention_lines(result.model):
+            print(line, file=err)
         print(json.dumps(result.rows, indent=2), file=out)
         return 0
     print("\n".join(report(result)), file=out)

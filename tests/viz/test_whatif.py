@@ -11,18 +11,21 @@ from worker processes.
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
+import pandas as pd
 import psutil
 import pytest
 
 from stepscope.engine.entrypoints.cli.main import main
+from stepscope.traces import names as n
 from stepscope.traces.backend.compare import METRICS, recorded_requests, recorded_table
 from stepscope.traces.backend.store import TraceStore
 from stepscope.traces.backend.workload import load_workload, synthetic_prompts
 from stepscope.viz import whatif as w
 from stepscope.viz import whatif_report
-from stepscope.viz.cost_model import fit_cost_model, nonnegative_least_squares
+from stepscope.viz.cost_model import fit_cost_model, fit_steps, nonnegative_least_squares
 from tests.traces.test_workload import appended_again
 from tests.viz.whatif_workload import COST, bursty_chat
 
@@ -95,6 +98,89 @@ class RecordedClock:
         k, self.index = self.index, self.index + 1
         stop = self.starts[k + 1] if self.starts[k + 1] is not None else self.ends[k]
         return (stop - self.starts[k]) / 1e9
+
+
+# ---- contention --------------------------------------------------------------------------------
+STEP_MODEL = (0.02, 0.0004, 0.001, 0.00001)  # fixed, per prefill, decode and context token
+NO_REQUESTS = pd.DataFrame({"dp_rank": [], "queued_ns": [], "finished_ns": []})
+
+
+def contended_steps(num_contended: int, n: int = 40, cpu: bool = True) -> pd.DataFrame:
+    """`n` steps timed exactly by STEP_MODEL, their worker on 80% of its 2 threads, except
+    `num_contended` of them, which took 5x as long on 10% (0.2 of a core); `cpu`: False, none
+    recorded its CPU time (an older trace)."""
+    rng = np.random.default_rng(3)
+    prefill, decode = rng.integers(0, 200, n), rng.integers(1, 16, n)
+    context = rng.integers(16, 2000, n)
+    own = np.column_stack([np.ones(n), prefill, decode, context]) @ np.array(STEP_MODEL)
+    slow = np.isin(np.arange(n), rng.choice(n, num_contended, replace=False))
+    own[slow] *= 5
+    start = np.concatenate([[0], np.cumsum(own[:-1] + 0.002)])
+    steps = pd.DataFrame({
+        "dp_rank": 0, "start_ns": (start * 1e9).astype(np.int64),
+        "end_ns": ((start + own) * 1e9).astype(np.int64), "own_s": own, "prefill": prefill,
+        "decode": decode, "context": context.astype(float),
+        "cpu_s": np.where(slow, 0.2, 1.6) * own if cpu else np.nan, "worker_s": own,
+        "num_threads": 2 if cpu else np.nan,
+    })  # fmt: skip
+    return steps
+
+
+def test_contended_steps_at_five_times_are_left_out_and_the_fit_comes_out_right() -> None:
+    model = fit_steps(contended_steps(6), NO_REQUESTS)
+    assert (model.contended_steps, model.steps_left_out, model.num_steps) == (6, 6, 34)
+    assert not model.busy_machine
+    fitted = (model.fixed_s, model.prefill_token_s, model.decode_token_s, model.context_token_s)
+    assert fitted == pytest.approx(STEP_MODEL, rel=1e-6)
+    assert model.mean_abs_error_s == pytest.approx(0, abs=1e-12)
+    assert model.contended_cpu_share == pytest.approx(0.1)
+    assert model.contended_cpu_cores == pytest.approx(0.2)
+    lines = whatif_report.model_lines(model)
+    assert "6 of 40 steps left out of the fit" in lines[-1]
+    assert "10% of its threads' CPU, 0.20 of a core" in lines[-1] and "e-" not in lines[-1]
+    # The same steps without their CPU time (an older trace): all fitted, the fit thrown off.
+    old = fit_steps(contended_steps(6, cpu=False), NO_REQUESTS)
+    assert (old.contended_steps, old.num_steps) == (0, 40)
+    assert old.mean_abs_error_s > 0.01 and whatif_report.contention_lines(old) == []
+
+
+def test_a_trace_mostly_contended_is_fitted_whole_and_called_a_busy_machine() -> None:
+    model = fit_steps(contended_steps(30), NO_REQUESTS)
+    assert model.busy_machine and model.contended_steps == 30
+    assert (model.steps_left_out, model.num_steps) == (0, 40)
+    (line,) = whatif_report.contention_lines(model)
+    assert line.startswith("the trace was taken on a busy machine: in 30 of 40 steps")
+    assert "every prediction inherits" in line
+
+
+def starve_steps(store: TraceStore, steps: tuple[int, ...]) -> None:
+    """Record the worker steps of `steps` as given 1 ns of CPU time (contended, whatever they
+    took) and every other worker step one full core (never contended), whatever the machine
+    that recorded the trace gave them."""
+    listed = ", ".join(map(str, steps))
+    store.con.execute(
+        f"""UPDATE spans SET attributes = json_merge_patch(attributes, json_object(
+                '{n.CPU_TIME_NS}', CASE WHEN CAST(json_extract(attributes, '$."{n.STEP}"')
+                                        AS INTEGER) IN ({listed}) THEN 1 ELSE duration_ns END))
+        WHERE name = '{n.WORKER_STEP}'"""
+    )
+
+
+def test_cli_names_the_steps_it_left_out_and_json_keeps_them_on_stderr(
+    traced_offline_run, tmp_path, capsys
+):
+    path = str(tmp_path / "starved.duckdb")
+    shutil.copy(traced_offline_run, path)
+    store = TraceStore(path)
+    starve_steps(store, (1, 2))
+    assert fit_cost_model(store).contended_steps == 2
+    store.close()
+    main(["trace", "whatif", path, "--grid", "max_num_seqs=2"])
+    assert "2 of 10 steps left out of the fit" in capsys.readouterr().out
+    main(["trace", "whatif", path, "--grid", "max_num_seqs=2", "--json"])
+    captured = capsys.readouterr()
+    assert [r["settings"] for r in json.loads(captured.out)] == [{"max_num_seqs": 2}]
+    assert captured.err.startswith("self-check") and "2 of 10 steps left out" in captured.err
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from stepscope.traces.backend.source import StoreSource
 from stepscope.traces.backend.store import TraceStore
 from stepscope.viz.whatif import load_trace
 from stepscope.viz.whatif_page import READOUTS, WhatIfPage, knob_range
+from tests.viz.test_whatif import starve_steps
 
 
 def shown(page: WhatIfPage) -> dict[str, str]:
@@ -89,6 +90,20 @@ def test_a_trace_holding_two_runs_says_so(source, tmp_path):
         page = WhatIfPage(StoreSource(store))
         assert page.loaded is None and page.problem.visible and not page.content.visible
         assert "holds 2 runs" in page.problem.object and "its own file" in page.problem.object
+    finally:
+        store.close()
+
+
+def test_the_fit_text_names_the_steps_left_out_for_contention(source, tmp_path):
+    store = TraceStore(tmp_path / "starved.duckdb")
+    try:
+        store.con.register("recorded", source.df("SELECT * FROM spans"))
+        store.con.execute("INSERT INTO spans SELECT * FROM recorded")
+        starve_steps(store, (1, 2))  # their workers got no CPU to speak of
+        page = WhatIfPage(StoreSource(store))
+        assert page.content.visible and page.loaded.model.steps_left_out == 2
+        assert "2 of " in page.model_text.object
+        assert "steps left out of the fit" in page.model_text.object
     finally:
         store.close()
 

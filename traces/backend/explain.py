@@ -58,6 +58,14 @@ UNKNOWN = "unknown"
 CONTENTION_SHARE = 0.5
 CONTENTION_CORES = 0.75
 
+
+def contended(cpu_s: Any, worker_s: Any, thread_s: Any) -> Any:
+    """The contention rule: the worker's CPU time `cpu_s` under CONTENTION_SHARE of what its
+    threads could have used (`thread_s`: wall time x threads) and under CONTENTION_CORES of its
+    wall time `worker_s`. Floats, or numpy arrays element by element (NaN: not contended)."""
+    return (cpu_s < CONTENTION_SHARE * thread_s) & (cpu_s < CONTENTION_CORES * worker_s)
+
+
 # When the request was preempted: the starts of the steps that preempted it (each names them);
 # with those steps not traced, the request span's event (it carries the last preemption only).
 _PREEMPTIONS = f"""
@@ -331,7 +339,7 @@ def _cpu(served: pd.DataFrame) -> dict[str, Any]:
         "num_threads": int(known["num_threads"].max()),
         "cpu_share": round(cpu_s / capacity, 4),
         "cpu_cores": round(cpu_s / worker_s, 4),
-        "contention": cpu_s / capacity < CONTENTION_SHARE and cpu_s / worker_s < CONTENTION_CORES,
+        "contention": bool(contended(cpu_s, worker_s, capacity)),
     }
 
 
