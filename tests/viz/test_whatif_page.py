@@ -72,8 +72,7 @@ def test_a_trace_it_cannot_predict_says_why_and_a_live_one_is_read_again(source,
         assert page.loaded is None and page.problem.visible and not page.content.visible
         assert "recorded before replay existed" in page.problem.object
         assert "read the trace again" in page.problem.object and page.reload.visible
-        store.con.register("recorded", source.df("SELECT * FROM spans"))
-        store.con.execute("INSERT INTO spans SELECT * FROM recorded")  # the TP=2 run arrives
+        add_spans(store, source)  # the TP=2 run arrives
         page.reload.clicks += 1
         assert page.loaded is not None and page.content.visible and not page.problem.visible
         assert shown(page) == expected(page.loaded.predict({}).table)
@@ -81,31 +80,35 @@ def test_a_trace_it_cannot_predict_says_why_and_a_live_one_is_read_again(source,
         store.close()
 
 
-def test_a_trace_holding_two_runs_says_so(source, tmp_path):
-    store = TraceStore(tmp_path / "twice.duckdb")
-    try:
-        store.con.register("recorded", source.df("SELECT * FROM spans"))
-        for _ in range(2):  # the TP=2 run, and the same process's run again into the same file
-            store.con.execute("INSERT INTO spans SELECT * FROM recorded")
-        page = WhatIfPage(StoreSource(store))
-        assert page.loaded is None and page.problem.visible and not page.content.visible
-        assert "holds 2 runs" in page.problem.object and "its own file" in page.problem.object
-    finally:
-        store.close()
+@pytest.fixture
+def store(tmp_path):
+    """A trace store of this test's own, as a collector's: spans go in while the page reads."""
+    store = TraceStore(tmp_path / "own.duckdb")
+    yield store
+    store.close()
 
 
-def test_the_fit_text_names_the_steps_left_out_for_contention(source, tmp_path):
-    store = TraceStore(tmp_path / "starved.duckdb")
-    try:
-        store.con.register("recorded", source.df("SELECT * FROM spans"))
+def add_spans(store: TraceStore, source, times: int = 1) -> None:
+    """The TP=2 run's spans into `store`, `times` times over."""
+    store.con.register("recorded", source.df("SELECT * FROM spans"))
+    for _ in range(times):
         store.con.execute("INSERT INTO spans SELECT * FROM recorded")
-        starve_steps(store, (1, 2))  # their workers got no CPU to speak of
-        page = WhatIfPage(StoreSource(store))
-        assert page.content.visible and page.loaded.model.steps_left_out == 2
-        assert "2 of " in page.model_text.object
-        assert "steps left out of the fit" in page.model_text.object
-    finally:
-        store.close()
+
+
+def test_a_trace_holding_two_runs_says_so(source, store):
+    add_spans(store, source, times=2)  # the same process's run again into the same file
+    page = WhatIfPage(StoreSource(store))
+    assert page.loaded is None and page.problem.visible and not page.content.visible
+    assert "holds 2 runs" in page.problem.object and "its own file" in page.problem.object
+
+
+def test_the_fit_text_names_the_steps_left_out_for_contention(source, store):
+    add_spans(store, source)
+    starve_steps(store, (1, 2))  # their workers got no CPU to speak of
+    page = WhatIfPage(StoreSource(store))
+    assert page.content.visible and page.loaded.model.steps_left_out == 2
+    assert "2 of " in page.model_text.object
+    assert "steps left out of the fit" in page.model_text.object
 
 
 @pytest.mark.parametrize(
