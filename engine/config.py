@@ -259,7 +259,8 @@ class ObservabilityConfig(_Part):
     long_wait_warning_s: float | None = 30.0
     """Once a request has waited this many seconds in the engine core's queue, say so once: a
     warning line naming the reason the scheduler recorded for the head of the queue, and a
-    long_wait event on its request span; none: never."""
+    long_wait event on its request span; none: never. An offline engine (LLM) keeps the span
+    events and logs no line: its `generate` queues whole batches by design."""
 
 
 PARTS: dict[str, type[msgspec.Struct]] = {

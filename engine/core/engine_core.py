@@ -155,6 +155,7 @@ class EngineCore:
         self.long_waits = LongWaitWatch(
             config.observability_config.long_wait_warning_s,
             f" (DP rank {p.data_parallel_rank})" if p.data_parallel_size > 1 else "",
+            log=not config.offline,
         )
 
     def add_request(self, request: EngineCoreRequest, queued_time: float | None = None) -> None:

@@ -5,7 +5,10 @@ was queued, or since its last preemption) is named once: a warning line in this 
 with the reason the scheduler recorded for the head of the waiting queue (first come, first
 served: the head's reason holds back every request behind it), and a notice to the API side
 (an `EngineCoreOutput` with no tokens and a `LongWait`), which puts a `long_wait` event on the
-request's span. Neither needs tracing: the line is logged with tracing off too.
+request's span. Neither needs tracing: the line is logged with tracing off too. A step that
+finds many such requests at once names the first `MAX_LINES` and counts the rest in one more
+line; an offline engine (`LLM`, whose `generate` queues a whole batch by design) logs nothing and
+keeps only the span events.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from stepscope.traces.names import RequestEvent
 
 logger = logging.getLogger(__name__)
 
+MAX_LINES = 3  # requests named one by one per step; the rest are counted in one line
+
 # What each of `WAITING_REASONS` means, for the warning line.
 _WHY = {
     "budget": "the token budget of a step (max_num_batched_tokens={budget}) is used up",
@@ -31,9 +36,10 @@ _WHY = {
 class LongWaitWatch:
     """Names each request that waits past `threshold_s`, once; None: never."""
 
-    def __init__(self, threshold_s: float | None, where: str = "") -> None:
+    def __init__(self, threshold_s: float | None, where: str = "", log: bool = True) -> None:
         self.threshold_s = threshold_s
         self.where = where  # e.g. " (DP rank 1)", for the warning line
+        self.log = log  # False: span events only (an offline engine)
         self._warned: set[str] = set()  # request ids already named, while they are in the engine
         self._checked: StepStats | None = None
 
@@ -55,7 +61,8 @@ class LongWaitWatch:
             if waited < self.threshold_s or request.request_id in self._warned:
                 continue
             self._warned.add(request.request_id)
-            self._log(request, waited, stats, scheduler)
+            if self.log and len(notices) < MAX_LINES:
+                self._log(request, waited, stats, scheduler)
             notices.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -66,6 +73,12 @@ class LongWaitWatch:
                     long_wait=LongWait(waited, stats.waiting_reason, stats.kv_blocks_short),
                 )
             )
+        if self.log and len(notices) > MAX_LINES:
+            logger.warning(
+                "stepscope: and %d more requests have waited over %g s in the engine core's "
+                "queue%s, for the same reason", len(notices) - MAX_LINES, self.threshold_s,
+                self.where,
+            )  # fmt: skip
         return notices
 
     def _log(self, request: Request, waited: float, stats: StepStats, s: Scheduler) -> None:

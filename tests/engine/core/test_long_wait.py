@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from stepscope.engine.config import EngineConfig
-from stepscope.engine.core.long_wait import LongWaitWatch
+from stepscope.engine.core.long_wait import MAX_LINES, LongWaitWatch
 from stepscope.engine.frontend.output_processor import OutputProcessor
 from stepscope.engine.messages import EngineCoreOutput, EngineCoreRequest, LongWait
 from stepscope.engine.models.loader import load_tokenizer, resolve_model
@@ -48,6 +48,24 @@ def test_waiting_past_the_threshold_is_named_once_with_the_heads_reason(caplog) 
     assert [n.request_id for n in watch.check(s, NOW + 30)] == ["r2"]
     step(s)
     assert watch.check(s, NOW + 100) == []
+
+
+@pytest.mark.parametrize("log", [True, False])
+def test_many_at_once_name_the_first_few_and_count_the_rest(caplog, log) -> None:
+    s = make_scheduler(64, max_num_seqs=1)
+    for i in range(8):
+        s.add_request(queued_at(f"r{i}", NOW - 60, 1000 * (i + 1)))
+    step(s)  # r0 runs; seven wait
+    with caplog.at_level(logging.WARNING):
+        notices = LongWaitWatch(30.0, log=log).check(s, NOW)
+    assert [n.request_id for n in notices] == [f"r{i}" for i in range(1, 8)]  # every span
+    lines = [r.getMessage() for r in caplog.records]
+    if not log:  # an offline engine: span events only
+        assert lines == []
+        return
+    assert len(lines) == MAX_LINES + 1
+    assert [line.split()[2] for line in lines[:MAX_LINES]] == ["r1", "r2", "r3"]
+    assert f"and {7 - MAX_LINES} more requests have waited over 30 s" in lines[-1]
 
 
 def test_no_threshold_or_nobody_waiting_names_nobody() -> None:
