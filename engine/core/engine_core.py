@@ -185,13 +185,6 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        """One turn of the engine (`_step`), plus a notice for each request that has newly
-        waited past `long_wait_warning_s` (long_wait.py)."""
-        outputs = self._step()
-        outputs.outputs.extend(self.long_waits.check(self.scheduler, time.time()))
-        return outputs
-
-    def _step(self) -> EngineCoreOutputs:
         """Schedule a step and send it to the executor; then, once `batch_queue_size` steps
         are out (or nothing more can be scheduled), wait for the oldest one's output and update
         from it. With one step at a time that is schedule -> execute -> update. With async
@@ -202,7 +195,8 @@ class EngineCore:
         A step that schedules nothing does not happen: no executor call, no span;
         `last_step_ran` says whether this call scheduled or updated anything. Once every request
         has finished, a step may still be in `batch_queue` (its tokens are thrown away): the
-        next call, or the busy loop, collects it."""
+        next call, or the busy loop, collects it. Whatever it returns carries the notices of
+        requests that have waited too long (`_outputs`)."""
         self.last_step_ran = False
         queue = self.batch_queue
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
@@ -211,11 +205,16 @@ class EngineCore:
                 queue.appendleft(batch)
                 self.last_step_ran = True
                 if len(queue) < self.batch_queue_size:
-                    return EngineCoreOutputs(outputs=[], timestamp=time.time())
+                    return self._outputs([])
         if not queue:
-            return EngineCoreOutputs(outputs=[], timestamp=time.time())
+            return self._outputs([])
         self.last_step_ran = True
-        outputs = self._update(queue.pop())
+        return self._outputs(self._update(queue.pop()))
+
+    def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """A step's outputs, plus a notice for each request that has newly waited past
+        `long_wait_warning_s` (long_wait.py)."""
+        outputs.extend(self.long_waits.check(self.scheduler, time.time()))
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
     def _schedule(self) -> _Batch | None:
