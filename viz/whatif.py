@@ -52,7 +52,12 @@ from stepscope.traces.backend.compare import (
     run_table,
 )
 from stepscope.traces.backend.source import Queryable
-from stepscope.traces.backend.workload import Workload, load_workload, synthetic_prompts
+from stepscope.traces.backend.workload import (
+    Workload,
+    load_workload,
+    recorded_pool,
+    synthetic_prompts,
+)
 from stepscope.viz.cost_model import CostModel, fit_cost_model
 
 # The settings whatif can change: what the scheduler and the KV cache manager read.
@@ -457,11 +462,6 @@ def best_row(rows: Sequence[dict[str, Any]], slos: dict[str, float]) -> int | No
     return max(ok, key=lambda i: (rows[i]["throughput_tok_s"], -(rows[i]["ttft_p90_s"] or 0)))
 
 
-def _recorded_pool(source: Queryable) -> int | None:
-    found = source.df("SELECT max(kv_total_blocks) AS blocks FROM steps")["blocks"]
-    return None if found.isna().all() else int(found.iloc[0])
-
-
 def whatif(source: Queryable, grid: dict[str, list[Any]], slos: dict[str, float]) -> WhatIf:
     """Predict the run's table for every setting of the cartesian `grid` (from `parse_grid`),
     and for the recorded settings (the self-check, against the recorded run's table)."""
@@ -522,7 +522,7 @@ def load_trace(source: Queryable) -> LoadedTrace:
         raise ValueError("the trace holds no request: nothing to predict")
     model = fit_cost_model(source)
     flat = recorded_flat(workload)
-    pool = flat.get("num_kv_blocks") or _recorded_pool(source)
+    pool = flat.get("num_kv_blocks") or recorded_pool(source)
     if pool is None:
         raise ValueError("the trace records no KV pool size (no step has kv_total_blocks)")
     prompts = synthetic_prompts(workload, _VOCAB)

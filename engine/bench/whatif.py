@@ -52,10 +52,11 @@ from stepscope.engine.bench.whatif_workloads import (
     small_pool_plan,
     warm_up,
 )
+from stepscope.traces.backend.bench import cpu_name
 from stepscope.traces.backend.compare import metric_text, recorded_table
-from stepscope.traces.backend.source import Queryable, open_trace
+from stepscope.traces.backend.source import open_trace
 from stepscope.traces.backend.units import format_number, format_seconds
-from stepscope.traces.backend.workload import load_workload, synthetic_prompts
+from stepscope.traces.backend.workload import load_workload, recorded_pool, synthetic_prompts
 
 WORKLOADS = ("bursty_chat", "long_prompt", "small_pool")
 # The timing grid: the hand-made workload's budget and max_num_seqs, halved, as recorded, doubled.
@@ -102,18 +103,13 @@ class WorkloadResult:
 
 
 # ---- one workload ------------------------------------------------------------------------------
-def _recorded_pool(source: Queryable) -> int | None:
-    blocks = source.df("SELECT max(kv_total_blocks) AS blocks FROM steps")["blocks"]
-    return None if blocks.isna().all() else int(blocks.iloc[0])
-
-
 def predict_cases(api: WhatifApi, trace: str) -> tuple[list[Case], Any]:
     """Each case of the recorded trace predicted by `whatif` (a one-setting grid), and the
     answer of the first (its self-check and cost model)."""
     cases, first = [], None
     with open_trace(trace) as source:
         config = load_workload(source).engine_config
-        for label, changes in cases_for(config, _recorded_pool(source)):
+        for label, changes in cases_for(config, recorded_pool(source)):
             answer = api.whatif(source, {k: [v] for k, v in changes.items()}, {})
             first = first or answer
             (row,) = answer.rows
@@ -240,18 +236,9 @@ def machine_line(model: str) -> str:
 
     features = cpu_matmul_features()
     return (
-        f"machine: {platform.machine()} {_cpu_name()}, {len(os.sched_getaffinity(0))} cores "
+        f"machine: {platform.machine()} {cpu_name()}, {len(os.sched_getaffinity(0))} cores "
         f"allowed{f' ({features})' if features else ''}, torch {torch.__version__}; model {model}"
     )
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
 
 
 def result_json(

@@ -181,7 +181,7 @@ def bench_collector(num_spans: int = 200_000, senders: int = 3) -> dict[str, flo
         "bytes_per_span": payload_bytes / total,
     }
     print(
-        f"machine: {platform.machine()} {_cpu_name()}, {os.cpu_count()} CPUs, "
+        f"machine: {platform.machine()} {cpu_name()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}"
     )
     print(
@@ -197,7 +197,7 @@ def bench_collector(num_spans: int = 200_000, senders: int = 3) -> dict[str, flo
     return result
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

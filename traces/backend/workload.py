@@ -122,6 +122,12 @@ def run_starts(source: Queryable) -> list[int]:
     return starts
 
 
+def recorded_pool(source: Queryable) -> int | None:
+    """The KV pool the run's steps saw, in blocks (None: no step recorded it)."""
+    blocks = source.df("SELECT max(kv_total_blocks) AS blocks FROM steps")["blocks"]
+    return None if blocks.isna().all() else int(blocks.iloc[0])
+
+
 def check_one_run(source: Queryable, label: str = "this trace") -> None:
     """ValueError when the trace holds several runs (`run_starts`): their requests and steps
     would be read as one run's (request ids repeat, times go backwards)."""
