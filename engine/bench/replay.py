@@ -131,40 +131,26 @@ def replay_offline(workload: Workload, options: dict[str, Any]) -> tuple[int, in
 
 def _drive(llm: Any, requests: list[ReplayRequest]) -> float:
     """Add each request at its offset and step the engine until every one has finished, as
-    `LLM._run` does for a batch that arrives at once."""
-    frontend, client = llm.frontend, llm.client
+    `LLM._run` does for a batch that arrives at once (with its steps `send` and `collect`)."""
+    frontend = llm.frontend
     pending = deque(requests)
     start = time.time()
     try:
         while pending or frontend.requests:
             while pending and start + pending[0].recorded.arrival_s <= time.time():
-                _add(frontend, client, pending.popleft(), start)
+                r = pending.popleft()
+                arrival = start + r.recorded.arrival_s
+                parent = frontend.make_request(r.recorded.request_id, r.prompt, r.params, arrival)
+                llm.send(parent, r.recorded.operation)
             if not frontend.requests:  # idle until the next arrival
                 time.sleep(max(0.0, start + pending[0].recorded.arrival_s - time.time()))
                 continue
-            processed = frontend.output_processor.process_outputs(client.get_output().outputs)
-            if processed.reqs_to_abort:
-                client.abort_requests(processed.reqs_to_abort)
-            frontend.delivered(processed.request_outputs)
-            for out in processed.request_outputs:  # whole outputs: each is a finished request
+            for out in llm.collect():  # whole outputs: each is a finished request
                 frontend.release(out.request_id)
     except BaseException:
-        unfinished = frontend.release_all()
-        if getattr(client, "dead_reason", None) is None:
-            client.abort_requests(unfinished)
+        llm.abort_unfinished()
         raise
     return time.time() - start
-
-
-def _add(frontend: Any, client: Any, r: ReplayRequest, start: float) -> None:
-    recorded = r.recorded
-    parent = frontend.make_request(
-        recorded.request_id, r.prompt, r.params, start + recorded.arrival_s
-    )
-    flight = frontend.track(parent, operation=recorded.operation, stream=False)
-    for child, state in zip(parent.children, flight.states, strict=True):
-        with state.span.current():
-            frontend.sent_to(state, client.add_request(child))
 
 
 # ---- served: through a server, over streamed /v1/completions ----------------------------------

@@ -270,29 +270,44 @@ class LLM:
         )
         try:
             for text, parent in zip(texts, parents, strict=True):
-                flight = frontend.track(parent, operation=operation, stream=False, prompt=text)
-                for child, state in zip(parent.children, flight.states, strict=True):
-                    with state.span.current():
-                        frontend.sent_to(state, self.client.add_request(child))
+                self.send(parent, operation, text)
             while frontend.output_processor.has_unfinished_requests():
-                processed = frontend.output_processor.process_outputs(
-                    self.client.get_output().outputs
-                )
-                if processed.reqs_to_abort:
-                    self.client.abort_requests(processed.reqs_to_abort)
-                frontend.delivered(processed.request_outputs)
-                for out in processed.request_outputs:
+                for out in self.collect():
                     finished[out.request_id] = out
                     bar.update(1)
         except BaseException:
-            unfinished = frontend.release_all()
-            if not isinstance(self.client, SyncMPClient) or self.client.dead_reason is None:
-                self.client.abort_requests(unfinished)
+            self.abort_unfinished()
             raise
         finally:
             bar.close()
             frontend.release_all()
         return [parent.merge([finished[i] for i in parent.child_ids]) for parent in parents]
+
+    # ---- the steps of `_run`, for a driver that adds requests as they arrive (trace replay) ----
+    def send(self, parent: Any, operation: str, prompt: str | None = None) -> None:
+        """Track a request made by `frontend.make_request` and send each of its children to
+        the engine core, under the child's span."""
+        frontend = self.frontend
+        flight = frontend.track(parent, operation=operation, stream=False, prompt=prompt)
+        for child, state in zip(parent.children, flight.states, strict=True):
+            with state.span.current():
+                frontend.sent_to(state, self.client.add_request(child))
+
+    def collect(self) -> list[RequestOutput]:
+        """One round of the engine core's outputs, stop strings applied (and the requests they
+        stopped aborted): the outputs of the requests that finished."""
+        frontend = self.frontend
+        processed = frontend.output_processor.process_outputs(self.client.get_output().outputs)
+        if processed.reqs_to_abort:
+            self.client.abort_requests(processed.reqs_to_abort)
+        frontend.delivered(processed.request_outputs)
+        return processed.request_outputs
+
+    def abort_unfinished(self) -> None:
+        """Forget every request in flight and abort them in the engine core (unless it died)."""
+        unfinished = self.frontend.release_all()
+        if not isinstance(self.client, SyncMPClient) or self.client.dead_reason is None:
+            self.client.abort_requests(unfinished)
 
 
 def _in_process(config: EngineConfig) -> bool:
