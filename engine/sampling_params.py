@@ -25,6 +25,38 @@ class FieldError(ValueError):
         self.param = param
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the output must match, exactly one of: a JSON schema (`json`, its text), any JSON
+    object (`json_object`), a regular expression, one of a list of strings (`choice`), or an EBNF
+    grammar. vLLM's `StructuredOutputsParams` under the same names. The engine core compiles it
+    (engine/core/structured_output.py) and the worker masks the logits with it."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise FieldError(
+                "structured_outputs",
+                "structured_outputs takes exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}",
+            )
+        if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
+            raise FieldError("structured_outputs.choice", "choice must be non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: `json`, `json_object`, `regex`, `choice` or `grammar`."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 # Temperatures below this sample as greedy (vLLM's `_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5
 
@@ -60,6 +92,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # A grammar the output must follow (JSON schema, regex, choice, EBNF); None for free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
