@@ -87,11 +87,31 @@ def _engine(bursts: list[Burst], pool: int) -> dict[str, Any]:
 
 
 class _Prompts:
-    """Random token ids (above the special tokens), chats starting with one system prompt."""
+    """Random token ids (above the special tokens), chats starting with one system prompt, their
+    lengths drawn from `prompt_range` and `output_range` (checked here, named by `what`)."""
 
-    def __init__(self, rng: random.Random, vocab_size: int) -> None:
-        self.rng, self.vocab_size = rng, vocab_size
+    def __init__(
+        self,
+        what: str,
+        prompt_range: tuple[int, int],
+        output_range: tuple[int, int],
+        vocab_size: int,
+        seed: int,
+    ) -> None:
+        _check_range(f"{what} prompts", *prompt_range)
+        _check_range(f"{what} outputs", *output_range)
+        self.prompt_range, self.output_range = prompt_range, output_range
+        self.rng, self.vocab_size = random.Random(seed), vocab_size
         self.system = self.ids(SYSTEM_TOKENS)
+
+    def chats(self, count: int, system: bool = True) -> list[Chat]:
+        """`count` chats, each starting with the system prompt when `system`."""
+        prompt = self.chat if system else self.ids
+        rng = self.rng
+        return [
+            Chat(prompt(rng.randint(*self.prompt_range)), rng.randint(*self.output_range))
+            for _ in range(count)
+        ]
 
     def ids(self, count: int) -> list[int]:
         return [self.rng.randrange(100, self.vocab_size) for _ in range(count)]
@@ -111,18 +131,13 @@ def bursty_chat_plan(
 ) -> Plan:
     """`num_chats` chats in bursts of a sixth to a half of them, 0.3-1.5 s apart; the pool
     holds the largest burst at its end, and a quarter more."""
-    _check_range("bursty chat prompts", *prompt_range)
-    _check_range("bursty chat outputs", *output_range)
-    rng = random.Random(seed)
-    prompts = _Prompts(rng, vocab_size)
+    prompts = _Prompts("bursty chat", prompt_range, output_range, vocab_size, seed)
+    rng = prompts.rng
     bursts: list[Burst] = []
     left = num_chats
     while left > 0:
         size = min(rng.randint(max(1, num_chats // 6), max(1, num_chats // 2)), left)
-        chats = [
-            Chat(prompts.chat(rng.randint(*prompt_range)), rng.randint(*output_range))
-            for _ in range(size)
-        ]
+        chats = prompts.chats(size)
         bursts.append(Burst(rng.uniform(0.3, 1.5) if bursts else 0.0, chats))
         left -= size
     largest = max(sum(_blocks(c) for c in b.chats) for b in bursts)
@@ -146,19 +161,13 @@ def long_prompt_plan(
     """`num_chats` short chats in three bursts 0.5 s apart; the middle burst (half of them) is
     led by one `long_prompt`-token prompt with the shortest output. The pool holds every
     request at once."""
-    _check_range("short chat prompts", *prompt_range)
-    _check_range("short chat outputs", *output_range)
+    prompts = _Prompts("short chat", prompt_range, output_range, vocab_size, seed)
     if long_prompt <= prompt_range[1]:
         raise ValueError(
             f"long_prompt ({long_prompt}) must be longer than the short chats' longest prompt "
             f"({prompt_range[1]})"
         )
-    rng = random.Random(seed)
-    prompts = _Prompts(rng, vocab_size)
-    chats = [
-        Chat(prompts.chat(rng.randint(*prompt_range)), rng.randint(*output_range))
-        for _ in range(num_chats)
-    ]
+    chats = prompts.chats(num_chats)
     first, middle = num_chats // 4, num_chats // 4 + (num_chats + 1) // 2
     long = Chat(prompts.ids(long_prompt), output_range[0])
     bursts = [
@@ -186,14 +195,8 @@ def small_pool_plan(
 ) -> Plan:
     """`num_chats` chats in two bursts 0.5 s apart, the pool half of what the larger burst
     grows to (at least twice the longest request): decoding runs out of blocks and preempts."""
-    _check_range("small pool prompts", *prompt_range)
-    _check_range("small pool outputs", *output_range)
-    rng = random.Random(seed)
-    prompts = _Prompts(rng, vocab_size)
-    chats = [
-        Chat(prompts.ids(rng.randint(*prompt_range)), rng.randint(*output_range))
-        for _ in range(num_chats)
-    ]
+    prompts = _Prompts("small pool", prompt_range, output_range, vocab_size, seed)
+    chats = prompts.chats(num_chats, system=False)
     half = (num_chats + 1) // 2
     bursts = [b for b in (Burst(0.0, chats[:half]), Burst(0.5, chats[half:])) if b.chats]
     largest = max(sum(_blocks(c) for c in b.chats) for b in bursts)
