@@ -180,23 +180,9 @@ class SimulatorPage:
         fig.add_layout(budget_line)
         fig.extra_y_ranges = {"blocks": Range1d(0, 100)}
         fig.add_layout(LinearAxis(y_range_name="blocks", axis_label="free KV blocks"), "right")
-        line = fig.line(
-            "step",
-            "free",
-            y_range_name="blocks",
-            source=self.steps_source,
-            color=COLORS["free"],
-            line_width=2,
-            legend_label="free blocks (after)",
-        )
-        fig.scatter(
-            "step",
-            "free",
-            y_range_name="blocks",
-            source=self.steps_source,
-            color=COLORS["free"],
-            size=5,
-        )
+        free = {"y_range_name": "blocks", "source": self.steps_source, "color": COLORS["free"]}
+        line = fig.line("step", "free", line_width=2, legend_label="free blocks (after)", **free)
+        fig.scatter("step", "free", size=5, **free)
         preempt = preemption_marks(fig, self.preempt_source, size=14)
         hits = fig.scatter(
             "step",
