@@ -44,6 +44,7 @@ from stepscope.engine.bench.whatif_check import (
     tolerance_text,
 )
 from stepscope.engine.bench.whatif_workloads import (
+    ChatMix,
     Plan,
     bursty_chat,
     bursty_chat_plan,
@@ -296,18 +297,22 @@ def plans(args: argparse.Namespace, vocab_size: int) -> list[Plan]:
         raise ValueError("--max-prompt and --max-output must be at least 1")
     make = {
         "bursty_chat": lambda: bursty_chat_plan(
-            args.chats, (min(16, p), p), (min(16, o), o), vocab_size, args.seed
+            ChatMix(args.chats, (min(16, p), p), (min(16, o), o), vocab_size, args.seed)
         ),
         "long_prompt": lambda: long_prompt_plan(
-            args.short_chats,
+            ChatMix(
+                args.short_chats,
+                (min(16, p), min(128, p)),
+                (min(16, o), min(64, o)),
+                vocab_size,
+                args.seed,
+            ),
             args.long_prompt,
-            (min(16, p), min(128, p)),
-            (min(16, o), min(64, o)),
-            vocab_size,
-            args.seed,
-        ),  # fmt: skip
+        ),
         "small_pool": lambda: small_pool_plan(
-            args.pool_chats, (min(32, p), min(160, p)), ((o + 1) // 2, o), vocab_size, args.seed
+            ChatMix(
+                args.pool_chats, (min(32, p), min(160, p)), ((o + 1) // 2, o), vocab_size, args.seed
+            )
         ),
     }
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]

@@ -65,6 +65,22 @@ class Plan:
         return [c for b in self.bursts for c in b.chats]
 
 
+@dataclass(frozen=True, slots=True)
+class ChatMix:
+    """How many chats a plan draws and the ranges of their lengths, from one seed."""
+
+    num_chats: int
+    prompt_range: tuple[int, int]  # tokens, inclusive
+    output_range: tuple[int, int]
+    vocab_size: int
+    seed: int = 0
+
+    @property
+    def lengths(self) -> str:
+        (p0, p1), (o0, o1) = self.prompt_range, self.output_range
+        return f"prompts {p0}-{p1} tokens, outputs {o0}-{o1}"
+
+
 def _check_range(name: str, low: int, high: int) -> None:
     if not 1 <= low <= high:
         raise ValueError(f"{name}: lengths need 1 <= min <= max, got {low}-{high}")
@@ -88,28 +104,21 @@ def _engine(bursts: list[Burst], pool: int) -> dict[str, Any]:
 
 class _Prompts:
     """Random token ids (above the special tokens), chats starting with one system prompt, their
-    lengths drawn from `prompt_range` and `output_range` (checked here, named by `what`)."""
+    lengths drawn from the mix's ranges (checked here, named by `what`)."""
 
-    def __init__(
-        self,
-        what: str,
-        prompt_range: tuple[int, int],
-        output_range: tuple[int, int],
-        vocab_size: int,
-        seed: int,
-    ) -> None:
-        _check_range(f"{what} prompts", *prompt_range)
-        _check_range(f"{what} outputs", *output_range)
-        self.prompt_range, self.output_range = prompt_range, output_range
-        self.rng, self.vocab_size = random.Random(seed), vocab_size
+    def __init__(self, what: str, mix: ChatMix) -> None:
+        _check_range(f"{what} prompts", *mix.prompt_range)
+        _check_range(f"{what} outputs", *mix.output_range)
+        self.mix = mix
+        self.rng, self.vocab_size = random.Random(mix.seed), mix.vocab_size
         self.system = self.ids(SYSTEM_TOKENS)
 
     def chats(self, count: int, system: bool = True) -> list[Chat]:
         """`count` chats, each starting with the system prompt when `system`."""
         prompt = self.chat if system else self.ids
-        rng = self.rng
+        rng, mix = self.rng, self.mix
         return [
-            Chat(prompt(rng.randint(*self.prompt_range)), rng.randint(*self.output_range))
+            Chat(prompt(rng.randint(*mix.prompt_range)), rng.randint(*mix.output_range))
             for _ in range(count)
         ]
 
@@ -122,16 +131,10 @@ class _Prompts:
         return self.system + self.ids(length - SYSTEM_TOKENS)
 
 
-def bursty_chat_plan(
-    num_chats: int,
-    prompt_range: tuple[int, int],
-    output_range: tuple[int, int],
-    vocab_size: int,
-    seed: int = 0,
-) -> Plan:
+def bursty_chat_plan(mix: ChatMix) -> Plan:
     """`num_chats` chats in bursts of a sixth to a half of them, 0.3-1.5 s apart; the pool
     holds the largest burst at its end, and a quarter more."""
-    prompts = _Prompts("bursty chat", prompt_range, output_range, vocab_size, seed)
+    prompts, num_chats = _Prompts("bursty chat", mix), mix.num_chats
     rng = prompts.rng
     bursts: list[Burst] = []
     left = num_chats
@@ -143,33 +146,25 @@ def bursty_chat_plan(
     largest = max(sum(_blocks(c) for c in b.chats) for b in bursts)
     return Plan(
         "bursty_chat",
-        f"bursty chat: {num_chats} chats in {len(bursts)} bursts, prompts "
-        f"{prompt_range[0]}-{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]}",
+        f"bursty chat: {num_chats} chats in {len(bursts)} bursts, {mix.lengths}",
         bursts,
         _engine(bursts, largest * 5 // 4),
     )
 
 
-def long_prompt_plan(
-    num_chats: int,
-    long_prompt: int,
-    prompt_range: tuple[int, int],
-    output_range: tuple[int, int],
-    vocab_size: int,
-    seed: int = 0,
-) -> Plan:
+def long_prompt_plan(mix: ChatMix, long_prompt: int) -> Plan:
     """`num_chats` short chats in three bursts 0.5 s apart; the middle burst (half of them) is
     led by one `long_prompt`-token prompt with the shortest output. The pool holds every
     request at once."""
-    prompts = _Prompts("short chat", prompt_range, output_range, vocab_size, seed)
-    if long_prompt <= prompt_range[1]:
+    prompts, num_chats = _Prompts("short chat", mix), mix.num_chats
+    if long_prompt <= mix.prompt_range[1]:
         raise ValueError(
             f"long_prompt ({long_prompt}) must be longer than the short chats' longest prompt "
-            f"({prompt_range[1]})"
+            f"({mix.prompt_range[1]})"
         )
     chats = prompts.chats(num_chats)
     first, middle = num_chats // 4, num_chats // 4 + (num_chats + 1) // 2
-    long = Chat(prompts.ids(long_prompt), output_range[0])
+    long = Chat(prompts.ids(long_prompt), mix.output_range[0])
     bursts = [
         Burst(0.0, chats[:first]),
         Burst(0.5, [long, *chats[first:middle]]),
@@ -179,31 +174,24 @@ def long_prompt_plan(
     return Plan(
         "long_prompt",
         f"one long prompt among short chats: a {long_prompt}-token prompt leading the middle of "
-        f"3 bursts of {num_chats} chats, prompts {prompt_range[0]}-{prompt_range[1]} tokens, "
-        f"outputs {output_range[0]}-{output_range[1]}",
+        f"3 bursts of {num_chats} chats, {mix.lengths}",
         bursts,
         _engine(bursts, sum(_blocks(c) for b in bursts for c in b.chats) + 1),
     )
 
 
-def small_pool_plan(
-    num_chats: int,
-    prompt_range: tuple[int, int],
-    output_range: tuple[int, int],
-    vocab_size: int,
-    seed: int = 0,
-) -> Plan:
+def small_pool_plan(mix: ChatMix) -> Plan:
     """`num_chats` chats in two bursts 0.5 s apart, the pool half of what the larger burst
     grows to (at least twice the longest request): decoding runs out of blocks and preempts."""
-    prompts = _Prompts("small pool", prompt_range, output_range, vocab_size, seed)
+    prompts, num_chats = _Prompts("small pool", mix), mix.num_chats
     chats = prompts.chats(num_chats, system=False)
     half = (num_chats + 1) // 2
     bursts = [b for b in (Burst(0.0, chats[:half]), Burst(0.5, chats[half:])) if b.chats]
     largest = max(sum(_blocks(c) for c in b.chats) for b in bursts)
     return Plan(
         "small_pool",
-        f"a KV pool small enough to preempt: {num_chats} chats in {len(bursts)} bursts, prompts "
-        f"{prompt_range[0]}-{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]}",
+        f"a KV pool small enough to preempt: {num_chats} chats in {len(bursts)} bursts, "
+        f"{mix.lengths}",
         bursts,
         _engine(bursts, largest // 2),
     )

@@ -25,6 +25,7 @@ from stepscope.engine.bench.whatif_workloads import (
     BLOCK_SIZE,
     SYSTEM_TOKENS,
     Chat,
+    ChatMix,
     bursty_chat,
     bursty_chat_plan,
     long_prompt_plan,
@@ -46,7 +47,7 @@ def _pool_halved_holds_the_longest(plan) -> None:
 
 # ---- the workloads -----------------------------------------------------------------------------
 def test_bursty_chat_plan_sends_mixed_chats_in_bursts_sharing_a_system_prompt():
-    plan = bursty_chat_plan(32, (16, 400), (16, 128), VOCAB, seed=3)
+    plan = bursty_chat_plan(ChatMix(32, (16, 400), (16, 128), VOCAB, seed=3))
     assert len(plan.chats) == 32 and len(plan.bursts) >= 2
     assert all(5 <= len(b.chats) <= 16 for b in plan.bursts[:-1])
     assert plan.bursts[0].pause_s == 0 and all(0.3 <= b.pause_s <= 1.5 for b in plan.bursts[1:])
@@ -64,7 +65,7 @@ def test_bursty_chat_plan_sends_mixed_chats_in_bursts_sharing_a_system_prompt():
 
 
 def test_long_prompt_plan_leads_the_middle_burst_with_the_long_prompt():
-    plan = long_prompt_plan(12, 1024, (16, 128), (16, 64), VOCAB, seed=1)
+    plan = long_prompt_plan(ChatMix(12, (16, 128), (16, 64), VOCAB, seed=1), 1024)
     assert [len(b.chats) for b in plan.bursts] == [3, 7, 3]
     long = plan.bursts[1].chats[0]
     assert len(long.prompt) == 1024 and long.output_tokens == 16
@@ -72,17 +73,17 @@ def test_long_prompt_plan_leads_the_middle_burst_with_the_long_prompt():
     assert plan.engine["num_kv_blocks"] > sum(_blocks(c) for c in plan.chats)
     _pool_halved_holds_the_longest(plan)
     with pytest.raises(ValueError, match="long_prompt"):
-        long_prompt_plan(12, 100, (16, 128), (16, 64), VOCAB)
+        long_prompt_plan(ChatMix(12, (16, 128), (16, 64), VOCAB), 100)
 
 
 def test_small_pool_plan_holds_half_a_burst_and_still_the_longest_request_halved():
-    plan = small_pool_plan(12, (32, 160), (64, 128), VOCAB, seed=2)
+    plan = small_pool_plan(ChatMix(12, (32, 160), (64, 128), VOCAB, seed=2))
     assert [len(b.chats) for b in plan.bursts] == [6, 6]
     largest = max(sum(_blocks(c) for c in b.chats) for b in plan.bursts)
     assert plan.engine["num_kv_blocks"] < largest  # decoding must preempt
     _pool_halved_holds_the_longest(plan)
     with pytest.raises(ValueError, match="small pool outputs"):
-        small_pool_plan(12, (32, 160), (64, 10), VOCAB)
+        small_pool_plan(ChatMix(12, (32, 160), (64, 10), VOCAB))
 
 
 def test_timing_workload_is_the_issue_mix():
