@@ -116,6 +116,15 @@ def tokens_to_catch_up(scheduler: Scheduler) -> dict[str, int]:
     return {r.request_id: r.num_tokens - r.num_computed_tokens for r in scheduler.requests.values()}
 
 
+def _params(max_tokens: int, min_tokens: int, ignore_eos: bool, use_stop_token: bool):
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min(min_tokens, max_tokens),
+        ignore_eos=ignore_eos,
+        stop_token_ids=[STOP_TOKEN] if use_stop_token else [],
+    )
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -128,18 +137,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]),
         budget=st.integers(1, 24),
         max_num_seqs=st.integers(1, 6),
-        enable_caching=st.booleans(),
-        enable_chunked_prefill=st.booleans(),
+        caching_and_chunking=st.tuples(st.booleans(), st.booleans()),
     )
     def make_engine(
-        self,
-        num_blocks: int,
-        block_size: int,
-        budget: int,
-        max_num_seqs: int,
-        enable_caching: bool,
-        enable_chunked_prefill: bool,
-    ) -> None:
+        self, num_blocks: int, block_size: int, budget: int, max_num_seqs: int,
+        caching_and_chunking: tuple[bool, bool],
+    ) -> None:  # fmt: skip
+        enable_caching, enable_chunked_prefill = caching_and_chunking
         kv = KVCacheManager(num_blocks, block_size, enable_caching)
         # As EngineCore sets it up: the context fits in the pool (and, unchunked, in one step).
         max_model_len = min(MAX_MODEL_LEN, num_blocks * block_size)
@@ -157,28 +161,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(
         prefix_len=st.sampled_from([0, 4, 8, 12, 16]),
         suffix_len=st.integers(0, 12),
-        max_tokens=st.integers(1, 16),
-        min_tokens=st.integers(0, 2),
-        ignore_eos=st.booleans(),
-        use_stop_token=st.booleans(),
+        params=st.builds(
+            _params,
+            max_tokens=st.integers(1, 16),
+            min_tokens=st.integers(0, 2),
+            ignore_eos=st.booleans(),
+            use_stop_token=st.booleans(),
+        ),
     )
-    def arrive(
-        self,
-        prefix_len: int,
-        suffix_len: int,
-        max_tokens: int,
-        min_tokens: int,
-        ignore_eos: bool,
-        use_stop_token: bool,
-    ) -> None:
+    def arrive(self, prefix_len: int, suffix_len: int, params: SamplingParams) -> None:
         suffix = [1000 * (self.next_id + 1) + i for i in range(suffix_len)]
         prompt = SHARED_PREFIX[:prefix_len] + suffix or [1]
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=min(min_tokens, max_tokens),
-            ignore_eos=ignore_eos,
-            stop_token_ids=[STOP_TOKEN] if use_stop_token else [],
-        )
         request = Request(f"r{self.next_id}", prompt, params, EOS, self.sched.kv.block_size)
         self.next_id += 1
         if len(prompt) >= self.sched.max_model_len:
