@@ -239,17 +239,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         drain(self.scheduler, random.Random(0))
 
 
+def checked_step(scheduler: Scheduler, rng: random.Random) -> None:
+    """One schedule and update, each checked (the step itself, then the invariants)."""
+    needed = tokens_to_catch_up(scheduler)
+    out = scheduler.schedule()
+    check_step(scheduler, out, needed)
+    check_invariants(scheduler)
+    scheduler.update_from_output(out, fake_runner_output(scheduler, out, rng))
+    check_invariants(scheduler)
+
+
 def drain(scheduler: Scheduler, rng: random.Random, max_steps: int = 300) -> None:
     """Step until nothing is left (requests that can never fit are aborted); all blocks free."""
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
             break
-        needed = tokens_to_catch_up(scheduler)
-        out = scheduler.schedule()
-        check_step(scheduler, out, needed)
-        check_invariants(scheduler)
-        scheduler.update_from_output(out, fake_runner_output(scheduler, out, rng))
-        check_invariants(scheduler)
+        checked_step(scheduler, rng)
     scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
     check_invariants(scheduler)
     kv = scheduler.kv
@@ -282,12 +287,7 @@ def test_seeded_random_workload_preempts_shares_prefixes_and_frees_everything() 
         if scheduler.requests and rng.random() < 0.05:
             victim = rng.choice(sorted(scheduler.requests))
             scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
-        needed = tokens_to_catch_up(scheduler)
-        out = scheduler.schedule()
-        check_step(scheduler, out, needed)
-        check_invariants(scheduler)
-        scheduler.update_from_output(out, fake_runner_output(scheduler, out, rng))
-        check_invariants(scheduler)
+        checked_step(scheduler, rng)
     drain(scheduler, rng)
     assert scheduler.num_preemptions > 0
     assert kv.prefix_hits > 0
