@@ -13,6 +13,7 @@ maps to its exceptions; bad input is a `FieldError`, a 400 naming its field.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import secrets
 import time
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -38,14 +40,24 @@ from stepscope.engine.entrypoints.protocol import (
     FieldError,
     TokenizeChatRequest,
     TokenizePromptRequest,
-    chat_messages,
     error_body,
     now,
 )
 from stepscope.engine.entrypoints.serving import ServerOptions, ServerState, serve
+from stepscope.engine.entrypoints.structured_outputs import NamedToolChoice, engine_errors_named
+from stepscope.engine.entrypoints.tool_parsers import (
+    HermesToolParser,
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolCallParser,
+    template_messages,
+    template_renders_tools,
+    tools_as_system_text,
+)
 from stepscope.engine.frontend.async_llm import AsyncLLM
 from stepscope.engine.frontend.engine_group import EngineDeadError
 from stepscope.engine.metrics import ServerMetrics
+from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces.setup import dropped_spans
 
 VERSION = "0.1.0"
@@ -74,6 +86,7 @@ def build_app(
             engine, model_name, options.api_key, options.max_queued_requests,
             ServerMetrics(model_name, api_server),
             per_request_metrics=options.enable_per_request_metrics,
+            tool_call_parser=options.tool_call_parser,
         )  # fmt: skip
         app.state.process_list = process_list or engine.processes
         try:
@@ -116,6 +129,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         loc = []
     elif isinstance(cause, FieldError):
         message, loc = str(cause), [cause.param]
+    elif first.get("type") == "extra_forbidden":
+        message = (
+            f"{'.'.join(loc)}: not supported by this server; a field that would change the "
+            "output is refused rather than ignored (the README lists the fields accepted)"
+        )
     elif loc:
         message = f"{'.'.join(loc)}: {message}"
     return JSONResponse(
@@ -318,7 +336,8 @@ async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest, request: R
     if body.model is not None:
         _check_model(s, body.model)
     if isinstance(body, TokenizeChatRequest):
-        ids = s.engine.apply_chat_template(chat_messages(body.messages))
+        renders = template_renders_tools(s.engine.get_tokenizer().chat_template)
+        ids = s.engine.apply_chat_template(template_messages(body.messages, renders))
     else:
         ids = s.engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(ids), "max_model_len": s.engine.max_model_len, "tokens": ids}
@@ -357,11 +376,57 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Any:
     s = _state(request)
     _check_model(s, body.model)
     params = body.to_sampling_params(s.engine.default_sampling)
-    ids = s.engine.apply_chat_template(chat_messages(body.messages))
-    responses = ChatResponses(s.engine.get_tokenizer(), s.model_name, params)
-    return await serve(
-        s, request, responses, [ids], params, received, body.stream, _include_usage(body)
-    )
+    ids, tool_parser, params = _chat_prompt(s, body, params)
+    responses = ChatResponses(s.engine.get_tokenizer(), s.model_name, params, tool_parser)
+    with engine_errors_named(body.constraint):
+        return await serve(
+            s, request, responses, [ids], params, received, body.stream, _include_usage(body)
+        )
+
+
+def _chat_prompt(
+    s: ServerState, body: ChatCompletionRequest, params: SamplingParams
+) -> tuple[list[int], Callable[[], ToolCallParser] | None, SamplingParams]:
+    """The chat's prompt ids with its tools, the parser that finds the calls in each choice's
+    text (None without tools), and the params that parser needs. vLLM shows the tools to a
+    template that renders them even with `tool_choice: none`; a template that cannot gets them
+    as a system text when the output must be a call (tool_parsers.py)."""
+    tok = s.engine.get_tokenizer()
+    choice = body.effective_tool_choice
+    renders = template_renders_tools(tok.chat_template)
+    messages = template_messages(body.messages, renders)
+    parser: Callable[[], ToolCallParser] | None = None
+    if choice == "auto":
+        if s.tool_call_parser is None:
+            raise FieldError(
+                "tool_choice",
+                "tool_choice auto (the default with tools) needs a server started with "
+                "--tool-call-parser; use tool_choice required or a named function",
+            )
+        if not renders:
+            raise FieldError(
+                "tool_choice",
+                f"tool_choice auto (the default with tools): {s.model_name}'s chat template "
+                "does not render tools; use tool_choice required or a named function",
+            )
+        max_calls = 1 if body.parallel_tool_calls is False else None
+        parser = functools.partial(HermesToolParser, max_calls)
+        # Hermes models write <tool_call> as a special token: keep it in the text to parse.
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    elif choice == "required":
+        parser = RequiredCallsParser
+    elif isinstance(choice, NamedToolChoice):
+        parser = functools.partial(NamedCallParser, choice.function.name)
+    if body.tools and renders:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        # What InputProcessor.apply_chat_template does, with the tools added.
+        text = tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        return tok.encode(text, add_special_tokens=False), parser, params
+    if parser is not None:
+        messages = tools_as_system_text(messages, body.tools or [], choice)
+    return s.engine.apply_chat_template(messages), parser, params
 
 
 def _check_model(s: ServerState, model: str) -> None:
@@ -385,7 +450,6 @@ def main() -> None:
     import signal
     import sys
 
-    import msgspec
     import uvicorn
 
     from stepscope.engine.config import init_engine_process_tracing

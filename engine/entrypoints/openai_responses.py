@@ -10,11 +10,12 @@ business.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from stepscope.engine.entrypoints.protocol import now
+from stepscope.engine.entrypoints.tool_parsers import ToolCallParser
 from stepscope.engine.outputs import RequestMetrics, RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
@@ -254,29 +255,61 @@ class CompletionResponses(Responses):
 
 class ChatResponses(Responses):
     """/v1/chat/completions: an assistant `message` per choice, a `delta` per chunk, OpenAI's
-    chat logprobs."""
+    chat logprobs. With `tool_parser` (a new parser for each choice; tool_parsers.py), each
+    choice's text becomes content and `tool_calls`, and a choice that made calls and stopped
+    finishes with `tool_calls`."""
 
     id_prefix = "chatcmpl"
     operation = names.OPERATION_CHAT
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_name: str,
+        params: SamplingParams,
+        tool_parser: Callable[[], ToolCallParser] | None = None,
+    ) -> None:
+        super().__init__(tokenizer, model_name, params)
+        self.tool_parser = tool_parser
+        self._parsers: dict[int, ToolCallParser] = {}  # by choice, while streaming
+
     def choice(self, whole: Increment) -> tuple[dict, int]:
-        message = {"role": "assistant", "content": whole.text}
-        return self._choice(whole, "message", message), len(whole.token_ids)
+        message: dict[str, Any] = {"role": "assistant", "content": whole.text}
+        finish = whole.finish_reason
+        if self.tool_parser is not None:
+            message["content"], calls = self.tool_parser().extract(whole.text)
+            if calls:
+                message["tool_calls"] = [c.message() for c in calls]
+                finish = _with_calls(finish)
+        return self._choice(whole, "message", message, finish), len(whole.token_ids)
 
     def delta(self, part: Increment) -> tuple[dict, int]:
         delta: dict[str, Any] = {"role": "assistant"} if part.first else {}
-        if part.text or part.finish_reason is not None:
-            delta["content"] = part.text
-        return self._choice(part, "delta", delta), len(part.token_ids)
+        finish = part.finish_reason
+        if self.tool_parser is None:
+            if part.text or finish is not None:
+                delta["content"] = part.text
+            return self._choice(part, "delta", delta, finish), len(part.token_ids)
+        parser = self._parsers.get(part.index)
+        if parser is None:
+            parser = self._parsers[part.index] = self.tool_parser()
+        content, calls = parser.stream(part.text, finish is not None)
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        if parser.num_calls:
+            finish = _with_calls(finish)
+        return self._choice(part, "delta", delta, finish), len(part.token_ids)
 
-    def _choice(self, part: Increment, key: str, message: dict) -> dict:
+    def _choice(self, part: Increment, key: str, message: dict, finish: str | None) -> dict:
         return {
             "index": part.index,
             key: message,
             "logprobs": self._logprobs(part.logprobs, part.token_ids),
-            "finish_reason": part.finish_reason,
+            "finish_reason": finish,
         }
 
     def _logprobs(self, logprobs: Logprobs, token_ids: list[int]) -> dict | None:
@@ -300,3 +333,9 @@ class ChatResponses(Responses):
                 }
             )
         return {"content": content}
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+    """A choice that made tool calls and stopped finished with `tool_calls` (OpenAI's reason);
+    one cut short keeps `length`."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason

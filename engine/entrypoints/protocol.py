@@ -4,6 +4,11 @@ Requests are pydantic models, so /openapi.json describes them; anything they acc
 through SamplingParams' own validation (`to_sampling_params`) before it reaches the engine. Bad
 input anywhere on the way raises `FieldError`, which names the field; `APIError` is any other
 answer that is not a 200, in OpenAI's error shape (`error_body`).
+
+A field a request model does not declare is a 400 naming it: one that would change the output and
+is not implemented must not be accepted and ignored. The fields that are accepted and ignored
+because they change nothing that is generated are declared too (`_Ignored`), so the list is one
+place, and /openapi.json shows it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,18 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from stepscope.engine.entrypoints.structured_outputs import (
+    Constraint,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    Tool,
+    ToolChoice,
+    check_tools,
+    constraint,
+    tool_constraint,
+)
 
 # FieldError is defined beside SamplingParams, which raises it (in every process).
 from stepscope.engine.sampling_params import FieldError, SamplingParams
@@ -75,10 +91,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    # Unknown fields (`parallel_tool_calls`, ...) are accepted and ignored, as OpenAI clients send
-    # some of them by default. NaN and infinity are no number a sampler can use.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+class _Ignored(BaseModel):
+    """OpenAI's fields that change nothing this server generates: accepted and ignored (the
+    OpenAI SDK, LangChain and LiteLLM send some of them). Every other unknown field is a 400."""
+
+    user: str | None = None  # who asked: for the provider's abuse monitoring
+    metadata: dict[str, Any] | None = None  # tags for stored completions
+    store: bool | None = None  # whether the provider keeps the completion
+    service_tier: str | None = None  # which of the provider's queues to bill
+    prompt_cache_key: str | None = None  # a routing hint for the provider's prompt cache
+    safety_identifier: str | None = None  # `user`'s successor
+
+
+class _Common(_Ignored):
+    # An unknown field is a 400 naming it (see the module's docstring). NaN and infinity are no
+    # number a sampler can use.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = None
@@ -93,7 +121,6 @@ class _Common(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI's shape: token id (a string, as JSON keys are) -> bias in [-100, 100].
@@ -102,11 +129,39 @@ class _Common(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # What the output must match (structured_outputs.py): OpenAI's `response_format`, vLLM's
+    # `structured_outputs`, and vLLM's older `guided_*` fields, mapped onto it as vLLM did.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _constraint: Constraint | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
     def _text_is_unicode(cls, data: Any) -> Any:
         return text_is_unicode(data)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _Common:
+        guided = {
+            name: getattr(self, name)
+            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        }
+        self._constraint = constraint(
+            self.response_format, self.structured_outputs, guided, self._tool_constraint()
+        )
+        return self
+
+    def _tool_constraint(self) -> Constraint | None:
+        return None  # chat's tool_choice
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The request's one constraint on the output, and the field it came from."""
+        return self._constraint
 
     def _sampling_params(
         self,
@@ -148,6 +203,7 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=value("repetition_penalty", 1.0),
+            structured_outputs=self._constraint.params if self._constraint else None,
         )
 
 
@@ -184,10 +240,17 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
+    # Other keys of a message (`refusal`, `annotations`, ... of an assistant message sent back)
+    # are ignored: no chat template here reads them.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    # An assistant message's calls, and a tool message's answer to one (tool_parsers.py renders
+    # them for a chat template that cannot).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str) or self.content is None:
@@ -200,16 +263,24 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as the chat template takes them."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    # None: vLLM's default, `auto` with tools and `none` without (`effective_tool_choice`).
+    tool_choice: ToolChoice | None = None
+    # false: `tool_choice: required` makes one call, and a parsed `auto` answer keeps its first.
+    parallel_tool_calls: bool | None = None
+
+    def _tool_constraint(self) -> Constraint | None:
+        choice = check_tools(self.tools, self.tool_choice)
+        return tool_constraint(self.tools or [], choice, self.parallel_tool_calls)
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        return check_tools(self.tools, self.tool_choice)
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -44,19 +44,21 @@ T = TypeVar("T")
 class ServerOptions(msgspec.Struct, frozen=True):
     """One API server's own settings, from `serve`'s flags beside the engine's: the model name
     it answers to, its API key, how many requests it holds, how far it lowers its priority,
-    whether responses carry vLLM's per-request `metrics` object."""
+    whether responses carry vLLM's per-request `metrics` object, which parser finds tool calls
+    in free text (`tool_choice: auto`; None refuses it)."""
 
     model_name: str
     api_key: str | None = None
     max_queued_requests: int = 256
     niceness: int = 0
     enable_per_request_metrics: bool = False
+    tool_call_parser: str | None = None
 
     @classmethod
     def from_args(cls, args: Any, model_name: str) -> ServerOptions:
         return cls(
             model_name, args.api_key, args.max_queued_requests, args.api_server_niceness,
-            args.enable_per_request_metrics,
+            args.enable_per_request_metrics, args.tool_call_parser,
         )  # fmt: skip
 
 
@@ -69,6 +71,7 @@ class ServerState:
     metrics: ServerMetrics
     in_flight: int = 0
     per_request_metrics: bool = False  # `--enable-per-request-metrics`
+    tool_call_parser: str | None = None  # `--tool-call-parser`
 
 
 async def serve(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from stepscope.engine.engine_args import add_engine_args
+from stepscope.engine.entrypoints.tool_parsers import TOOL_CALL_PARSERS
 from stepscope.engine.models.loader import DEFAULT_MODEL
 
 
@@ -59,6 +60,15 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add vLLM's per-request `metrics` object (queue time, TTFT, decode time, mean ITL, "
         "tokens/s) to completion and chat responses (streamed: to the final usage chunk)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="find tool calls in free text, for `tool_choice: auto` on a model whose chat "
+        "template renders tools (vLLM's flag; hermes: <tool_call>{...}</tool_call>, Qwen's "
+        "and Hermes' format). Without it `auto` is refused; `required` and a named function "
+        "work on every model",
     )
     p.add_argument(
         "--dashboard-port",
