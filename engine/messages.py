@@ -63,6 +63,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_req_ids: list[str]  # finished or aborted since the last step: drop their state
     preempted_req_ids: list[str]  # preempted this step: drop their state
     trace_context: dict[str, str] = {}
+    # Structured outputs (vLLM's GrammarOutput): for each request id here, in order, one row of
+    # ceil(vocab / 32) little-endian int32 words, bit j of word w set where token 32 w + j is
+    # allowed next. Empty when no structured request samples in this step.
+    structured_output_request_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):

@@ -184,8 +184,9 @@ class ServerMetrics:
 
 def _waiting_by_reason(labels: str, stats: dict) -> list[str]:
     """`stepscope:num_requests_waiting_by_reason`: the waiting requests each reason held back at
-    the latest step (`reason`: budget, max_num_seqs, kv_blocks, preempted, as `trace explain`
-    names them), one series per reason and, with DP > 1, per rank (`engine="R"`)."""
+    the latest step (`reason`: budget, max_num_seqs, kv_blocks, preempted, grammar, as
+    `trace explain` names them), one series per reason and, with DP > 1, per rank
+    (`engine="R"`)."""
     name = "stepscope:num_requests_waiting_by_reason"
     ranks = stats.get("ranks")
     lines = [

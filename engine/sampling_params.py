@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import msgspec
 
@@ -53,8 +55,41 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Which constraint this is: `json`, `json_object`, `regex`, `choice` or `grammar`."""
         return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
+    def check(self) -> None:
+        """Raise FieldError (`param` structured_outputs.<kind>) for a grammar that cannot be
+        built: a JSON schema that is not JSON, or a schema, regex or EBNF grammar that xgrammar
+        refuses. Cheap (no tokenizer, a few ms for a schema of thousands of properties), so the
+        front end runs it and only what the compile against the vocabulary finds reaches the
+        engine core."""
+        kind = self.kind
+        if kind in ("json_object", "choice"):
+            return
+        import xgrammar as xgr
+
+        param = f"structured_outputs.{kind}"
+        try:
+            if kind == "json":
+                json.loads(self.json)
+                xgr.Grammar.from_json_schema(self.json, any_whitespace=False)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(self.regex)
+            else:
+                xgr.Grammar.from_ebnf(self.grammar)
+        except json.JSONDecodeError as e:
+            raise FieldError(param, f"the JSON schema is not valid JSON: {e}") from None
+        except RuntimeError as e:
+            raise FieldError(param, f"invalid {kind}: {grammar_error(e)}") from None
+
 
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+# xgrammar's messages open with a time and its C++ source line: "[08:30:57] /project/cpp/x.cc:83: ".
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
+
+
+def grammar_error(error: BaseException) -> str:
+    """xgrammar's error message, without its time and C++ source line."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return _XGRAMMAR_PREFIX.sub("", lines[0] if lines else type(error).__name__)
 
 
 # Temperatures below this sample as greedy (vLLM's `_SAMPLING_EPS`).

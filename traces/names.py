@@ -30,10 +30,16 @@ ENGINE_STEP = "stepscope.engine_step"  # engine core: one per step
 SCHEDULE = "stepscope.schedule"  # children of ENGINE_STEP
 EXECUTE = "stepscope.execute"
 UPDATE = "stepscope.update"
+# Engine core: building the grammar bitmask of the structured requests that sample in the step
+# (a child of ENGINE_STEP, only in steps that have one).
+GRAMMAR_BITMASK = "stepscope.grammar_bitmask"
 WORKER_STEP = "stepscope.worker_step"  # worker: one per worker per step
 PREPARE_INPUTS = "stepscope.prepare_inputs"  # children of WORKER_STEP
 FORWARD = "stepscope.forward"
 SAMPLE = "stepscope.sample"
+# Worker: masking the logits with the step's grammar bitmask (a child of SAMPLE, only in steps
+# that carry one).
+APPLY_GRAMMAR_BITMASK = "stepscope.apply_grammar_bitmask"
 SEND = "stepscope.send"  # PRODUCER on the sender of a message across a boundary
 RECEIVE = "stepscope.receive"  # CONSUMER on the receiver, parented on the SEND span
 DP_PUBLISH = "stepscope.dp_publish"  # DP coordinator: one per publication of the ranks' loads
@@ -45,10 +51,12 @@ SPAN_NAMES = (
     SCHEDULE,
     EXECUTE,
     UPDATE,
+    GRAMMAR_BITMASK,
     WORKER_STEP,
     PREPARE_INPUTS,
     FORWARD,
     SAMPLE,
+    APPLY_GRAMMAR_BITMASK,
     SEND,
     RECEIVE,
     DP_PUBLISH,
@@ -99,6 +107,9 @@ class RequestEvent(StrEnum):
 
     QUEUED = "queued"  # the engine core received the request (stage 3 starts)
     SCHEDULED = "scheduled"  # first admitted by the scheduler
+    # A structured request's grammar compiled (or was found compiled): until then it waited for
+    # it (queue reason `grammar`); absent for free text.
+    GRAMMAR_READY = "grammar_ready"
     FIRST_TOKEN = "first_token"  # first token sampled
     PREEMPTED = "preempted"  # preempted (recompute); the count is NUM_PREEMPTIONS
     FINISHED = "finished"  # a stop condition hit, or aborted
@@ -126,7 +137,8 @@ PREEMPTED_IDS = "stepscope.preempted_ids"  # string array
 FINISHED_IDS = "stepscope.finished_ids"  # string array
 REQUEST_IDS = "stepscope.request_ids"  # string array: the requests this step served
 REQUEST_NUM_TOKENS = "stepscope.request_num_tokens"  # int array, parallel to REQUEST_IDS
-# Why the waiting queue's head was not admitted (budget, max_num_seqs, kv_blocks, preempted),
+# Why the waiting queue's head was not admitted (budget, max_num_seqs, kv_blocks, preempted; or
+# grammar, when every request left waiting waits for its grammar to compile),
 # how many waiting requests that holds back (first come, first served: all of them), and with
 # kv_blocks how many free blocks the head lacked. Absent when nobody was left waiting.
 WAITING_REASON = "stepscope.waiting_reason"

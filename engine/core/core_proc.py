@@ -62,6 +62,7 @@ from stepscope.traces.process import (
 from stepscope.traces.setup import shutdown_tracing
 
 _LOAD = b"load"  # output-queue item for the DP coordinator's socket, not an API server's
+_GRAMMAR_COMPILED = b"grammar"  # input-queue item: a grammar compiled, wake the busy loop
 HANDSHAKE_TIMEOUT_S = 60.0
 
 
@@ -82,6 +83,12 @@ class EngineCoreProc:
         self._client_of: dict[str, int] = {}  # request id -> API server, while it runs
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[bytes, int, Any] | None] = queue.Queue()
+        # An idle busy loop waits on its input queue, never on a compile: a compiled grammar
+        # wakes it like a message would, and the requests waiting on it are scheduled.
+        engine_core.wait_for_grammars = False
+        engine_core.structured_output_manager.on_compiled = lambda: self.input_queue.put(
+            (_GRAMMAR_COMPILED, None)
+        )
         self.ctx = ctx
         self.running = True
         self._input_thread = threading.Thread(

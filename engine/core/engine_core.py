@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from stepscope.engine.core.kv_cache_manager import KVCacheManager
 from stepscope.engine.core.long_wait import LongWaitWatch
 from stepscope.engine.core.request import Request, RequestStatus
 from stepscope.engine.core.scheduler import WAITING_REASONS, Scheduler
+from stepscope.engine.core.structured_output import StructuredOutputManager
 from stepscope.engine.executor.abstract import Executor
 from stepscope.engine.executor.uniproc_executor import UniProcExecutor
 from stepscope.engine.messages import (
@@ -138,6 +139,13 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
         )
+        self.structured_output_manager = StructuredOutputManager(
+            model_dir, config.model_config.tokenizer, load_config(model_dir)["vocab_size"]
+        )
+        # With nothing else to run, wait here for a grammar to compile (in one process nothing
+        # else could arrive meanwhile); the engine-core process turns this off and is woken by
+        # the manager's `on_compiled` instead, so that new requests are not held up.
+        self.wait_for_grammars = True
         # Steps sent to the executor and not yet updated from, newest first: at most one, or two
         # with async scheduling (vLLM's batch queue, sized by `max_concurrent_batches`).
         self.async_scheduling = sched.async_scheduling
@@ -164,15 +172,19 @@ class EngineCore:
         link = request_link(request.trace_context)
         if link is not None:
             self.request_links[request.request_id] = link
+        params = request.sampling_params
         self.scheduler.add_request(
             Request(
                 request_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params,
+                sampling_params=params,
                 eos_token_id=request.eos_token_id,
                 block_size=self.block_size,
                 arrival_time=request.arrival_time,
                 queued_time=time.time() if queued_time is None else queued_time,
+                structured_output=None
+                if params.structured_outputs is None
+                else self.structured_output_manager.start(params.structured_outputs),
             )
         )
 
@@ -196,11 +208,20 @@ class EngineCore:
         `last_step_ran` says whether this call scheduled or updated anything. Once every request
         has finished, a step may still be in `batch_queue` (its tokens are thrown away): the
         next call, or the busy loop, collects it. Whatever it returns carries the notices of
-        requests that have waited too long (`_outputs`)."""
+        requests that have waited too long (`_outputs`).
+
+        Structured outputs run one step at a time, async scheduling or not: a running structured
+        request's next bitmask needs the token of the step in flight, so that step is finished
+        first (the simple choice; vLLM instead builds the bitmask once the tokens are in)."""
         self.last_step_ran = False
         queue = self.batch_queue
+        if queue and self.scheduler.has_structured_running():
+            self.last_step_ran = True
+            return self._outputs(self._update(queue.pop()))
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             batch = self._schedule()
+            if batch is None and not queue and self.wait_for_grammars:
+                batch = self._schedule_once_grammars_compile()
             if batch is not None:
                 queue.appendleft(batch)
                 self.last_step_ran = True
@@ -213,9 +234,47 @@ class EngineCore:
 
     def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         """A step's outputs, plus a notice for each request that has newly waited past
-        `long_wait_warning_s` (long_wait.py)."""
+        `long_wait_warning_s` (long_wait.py), and the end of each whose grammar failed."""
         outputs.extend(self.long_waits.check(self.scheduler, time.time()))
+        outputs.extend(self._grammar_failures())
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def _grammar_failures(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar did not compile (the front end checks what it can cheaply;
+        this is what only the compile finds), ended with `abort` and logged: the engine goes on."""
+        failed, self.scheduler.grammar_failed = self.scheduler.grammar_failed, []
+        outputs = []
+        for request in failed:
+            logger.error(
+                "request %s aborted: its grammar did not compile: %s",
+                request.request_id, request.structured_output.error,
+            )  # fmt: skip
+            self.request_links.pop(request.request_id, None)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason="abort",
+                    events=request.events.report(time.time(), False, True),
+                )
+            )
+        return outputs
+
+    def _schedule_once_grammars_compile(self) -> _Batch | None:
+        """Nothing could be scheduled: wait for the grammars still compiling, one at a time, and
+        schedule again, until a step runs or no request waits for its grammar."""
+        while True:
+            compiling = [
+                r.structured_output.grammar
+                for r in self.scheduler.waiting
+                if r.status == RequestStatus.WAITING_FOR_GRAMMAR
+            ]
+            if not compiling:
+                return None
+            wait(compiling, return_when=FIRST_COMPLETED)
+            batch = self._schedule()
+            if batch is not None:
+                return batch
 
     def _schedule(self) -> _Batch | None:
         """Schedule a step and send it to the executor (without waiting, under async
@@ -226,9 +285,18 @@ class EngineCore:
         t1 = time.time_ns()
         if not (scheduler_output.total_num_scheduled_tokens or scheduler_output.preempted_req_ids):
             return None
+        structured = self.scheduler.structured_requests_sampling(scheduler_output)
+        if structured:
+            scheduler_output.structured_output_request_ids = [r.request_id for r in structured]
+            scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [r.structured_output for r in structured]
+            )
+        t2 = time.time_ns()
         span = step_span(step=scheduler_output.step, start_ns=t0)
         with span.attached():
             ended_child_span(names.SCHEDULE, t0, t1)
+            if structured:
+                ended_child_span(names.GRAMMAR_BITMASK, t1, t2)
             span.record(
                 self.scheduler.last_stats,
                 scheduler_output.num_scheduled_tokens,
@@ -321,4 +389,5 @@ class EngineCore:
         return [ProcessInfo("engine_core", dp, os.getpid(), dp), *workers]
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -30,6 +30,7 @@ _WHY = {
     "max_num_seqs": "the running batch is full (max_num_seqs={max_num_seqs})",
     "kv_blocks": "too few free KV blocks: the head of the queue lacks {short}",
     "preempted": "a preempted request waits at the head of the queue to be recomputed",
+    "grammar": "the requests left waiting wait for their grammars to compile",
 }
 
 

@@ -14,6 +14,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+from stepscope.engine.core.structured_output import StructuredOutputRequest
 from stepscope.engine.messages import Logprob
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces.names import RequestEvent
@@ -21,6 +22,8 @@ from stepscope.traces.names import RequestEvent
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Queued, but its grammar is still compiling: the scheduler skips it (vLLM's WAITING_FOR_FSM).
+    WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -54,6 +57,9 @@ class RequestEvents:
     first_token: float | None = None
     finished: float | None = None
     preempted: list[float] = field(default_factory=list)
+    # When its grammar was ready (compiled, or found compiled) for a structured request: the
+    # queue time before it is the `grammar` reason of `trace explain`.
+    grammar_ready: float | None = None
 
     def report(self, now: float, first_tokens: bool, finished: bool) -> dict[str, float]:
         """The events one `EngineCoreOutput` carries: the timeline up to the first token with a
@@ -63,6 +69,8 @@ class RequestEvents:
             events[RequestEvent.QUEUED] = self.queued
             if self.first_scheduled is not None:
                 events[RequestEvent.SCHEDULED] = self.first_scheduled
+            if self.grammar_ready is not None:
+                events[RequestEvent.GRAMMAR_READY] = self.grammar_ready
             events[RequestEvent.FIRST_TOKEN] = now
         if finished:
             events[RequestEvent.FINISHED] = now
@@ -95,9 +103,13 @@ class Request:
     events: RequestEvents = field(init=False)
     # Prompt logprobs gathered from the steps that computed the prompt, sent with the first token.
     prompt_logprobs: list[Logprob] = field(default_factory=list)
+    # The grammar its output must follow (compiling, or ready with its matcher); None: free text.
+    structured_output: StructuredOutputRequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.structured_output is not None:
+            self.status = RequestStatus.WAITING_FOR_GRAMMAR
         queued = self.arrival_time if self.queued_time is None else self.queued_time
         self.events = RequestEvents(queued=queued)
         self._update_block_hashes()

@@ -52,8 +52,9 @@ class StepStats:
 
 # "budget": running requests used the token budget; "max_num_seqs": the running batch is full;
 # "kv_blocks": too few free KV blocks for the head; "preempted": the head was preempted and waits
-# to be recomputed (and this step, which preempted, admits nobody).
-WAITING_REASONS = ("budget", "max_num_seqs", "kv_blocks", "preempted")
+# to be recomputed (and this step, which preempted, admits nobody); "grammar": every request left
+# waiting is a structured one whose grammar is still compiling (the others were admitted).
+WAITING_REASONS = ("budget", "max_num_seqs", "kv_blocks", "preempted", "grammar")
 
 
 class Scheduler:
@@ -77,6 +78,10 @@ class Scheduler:
         self.step_index = 0
         self.num_preemptions = 0
         self.last_stats = StepStats()
+        # Structured requests in the engine (0: no step pays anything for grammars), and those
+        # whose grammar failed to compile, finished here and reported by the engine core.
+        self.num_structured = 0
+        self.grammar_failed: list[Request] = []
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -91,6 +96,8 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.structured_output is not None:
+            self.num_structured += 1
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string): free their blocks."""
@@ -110,6 +117,8 @@ class Scheduler:
         self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.structured_output is not None:
+            self.num_structured -= 1
 
     @property
     def num_unfinished(self) -> int:
@@ -153,13 +162,25 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Pass 2: admit waiting requests while budget, blocks and max_num_seqs allow.
+        # Pass 2: admit waiting requests while budget, blocks and max_num_seqs allow. A request
+        # whose grammar is still compiling is passed over (it keeps its place in the queue).
         blocked_by, kv_short = None, 0
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 blocked_by = "max_num_seqs"
                 break
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(
+                request, now
+            ):
+                self.waiting.popleft()
+                if request.structured_output.error is None:
+                    skipped.append(request)
+                else:
+                    self._finish(request, RequestStatus.FINISHED_ABORTED)
+                    self.grammar_failed.append(request)
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and n > budget:
@@ -184,13 +205,15 @@ class Scheduler:
             scheduled_new.append(request)
             budget -= n
 
+        self.waiting.extendleft(reversed(skipped))
         if self.waiting:
             # A preempted head waits to be recomputed, whatever else holds it (a step that
-            # preempts admits nobody); otherwise the guard that ended the loop, or the budget.
+            # preempts admits nobody); otherwise the guard that ended the loop, or the budget,
+            # or (nobody else left) the grammars still compiling.
             if preempted or self.waiting[0].status == RequestStatus.PREEMPTED:
                 blocked_by = "preempted"
             elif blocked_by is None:
-                blocked_by = "budget"
+                blocked_by = "grammar" if len(skipped) == len(self.waiting) else "budget"
 
         for request in scheduled_running + scheduled_new:
             n = num_scheduled[request.request_id]
@@ -268,6 +291,33 @@ class Scheduler:
                 request.num_output_placeholders += 1
         return output
 
+    def _grammar_ready(self, request: Request, now: float) -> bool:
+        """Whether a request waiting for its grammar may be admitted now: it waits no more."""
+        if not request.structured_output.ready():
+            return False
+        request.status = RequestStatus.WAITING
+        compiled = request.structured_output.compiled_time
+        request.events.grammar_ready = min(max(compiled, request.events.queued), now)
+        return True
+
+    def structured_requests_sampling(self, output: SchedulerOutput) -> list[Request]:
+        """The structured requests that sample a token in this step (it reaches their last known
+        token), in the scheduler output's order: the rows of its grammar bitmask."""
+        if not self.num_structured:
+            return []
+        found = []
+        for req_id in output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            if request.structured_output is not None and request.num_output_placeholders:
+                found.append(request)
+        return found
+
+    def has_structured_running(self) -> bool:
+        """A structured request runs: its next bitmask needs every token it sampled so far."""
+        return bool(self.num_structured) and any(
+            r.structured_output is not None for r in self.running
+        )
+
     def _ends_in_flight(self, request: Request) -> bool:
         """Async scheduling: the tokens still in flight take the request to `max_tokens` or to the
         context's end, so a step scheduled now would only compute a token to throw away."""
@@ -311,6 +361,10 @@ class Scheduler:
                 request.append_output_token(token)
                 new_tokens.append(token)
                 status = self._check_stop(request, token)
+                grammar = request.structured_output
+                # A grammar that has ended (its stop token accepted) stops the request.
+                if grammar is not None and grammar.accept(token) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     break
             if request.events.first_token is None:

@@ -89,6 +89,8 @@ class InputProcessor:
         self.validate_max_tokens(prompt_token_ids, params)
         self.validate_token_ids(params)
         self.validate_stop(params)
+        if params.structured_outputs is not None:
+            params.structured_outputs.check()
         if self.extra_eos_ids and not params.ignore_eos:
             stop_ids = sorted(set(params.stop_token_ids) | set(self.extra_eos_ids))
             params = msgspec.structs.replace(params, stop_token_ids=stop_ids)

@@ -19,7 +19,7 @@ from stepscope.engine.models.config import read_model_shape
 from stepscope.engine.models.llama import LlamaModel
 from stepscope.engine.models.loader import load_weights, resolve_config
 from stepscope.engine.sampling_params import SamplingParams
-from stepscope.engine.worker.sampler import Sampler
+from stepscope.engine.worker.sampler import Sampler, apply_grammar_bitmask
 from stepscope.traces import names
 from stepscope.traces.spans import child_span
 
@@ -194,6 +194,9 @@ class ModelRunner:
                 rows = torch.tensor(batch.sample_rows, device=self.device)
                 logits = self.model.compute_logits(hidden[rows])
         with child_span(names.SAMPLE):
+            if so.grammar_bitmask and logits is not None:
+                with child_span(names.APPLY_GRAMMAR_BITMASK):
+                    self._apply_grammar(logits, batch.sample_states, so)
             return self._sample(batch, hidden, logits)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _Batch | None:
@@ -245,6 +248,19 @@ class ModelRunner:
             sample_states=sample_states,
             prompt_scoring=prompt_scoring,
         )
+
+    def _apply_grammar(
+        self, logits: torch.Tensor, states: list[CachedRequestState], so: SchedulerOutput
+    ) -> None:
+        """Mask the logits of the structured requests that sample in this step with the rows of
+        the step's grammar bitmask (built by the engine core, one row per request id)."""
+        ids = so.structured_output_request_ids
+        words = torch.frombuffer(bytearray(so.grammar_bitmask), dtype=torch.int32)
+        bitmask = words.view(len(ids), -1)
+        row_of = {st.req_id: i for i, st in enumerate(states)}
+        masked = [j for j, req_id in enumerate(ids) if req_id in row_of]
+        rows = torch.tensor([row_of[ids[j]] for j in masked], device=logits.device)
+        apply_grammar_bitmask(logits, bitmask[masked], rows)
 
     def _sample(
         self, batch: _Batch, hidden: torch.Tensor, logits: torch.Tensor | None

@@ -104,6 +104,25 @@ def top_k_top_p_candidates(
     return out_values, out_ids
 
 
+def apply_grammar_bitmask(
+    logits: torch.Tensor,  # [rows, vocab], changed in place
+    bitmask: torch.Tensor,  # [masked rows, words] int32: bit j of word w allows token 32 w + j
+    rows: torch.Tensor,  # [masked rows] int64: the logits row each bitmask row masks
+) -> None:
+    """Set to -inf every logit its row's grammar does not allow next, before sampling (so the
+    torch and the C sampling paths, greedy or not, see the same masked logits). Columns past the
+    bitmask's width (a model whose vocabulary is wider than its tokenizer's) are refused too.
+    In torch alone: the worker needs no grammar library (vLLM's `apply_grammar_bitmask`)."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
 def _apply_logit_bias(scores: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:
     """Add each of these rows' `logit_bias` to its scores, in place."""
     for i in rows:

@@ -15,7 +15,7 @@ VIEW_COLUMNS = {
     "requests": "request_id, trace_id, span_id, model, operation, start_ns, end_ns, queued_ns, "
     "scheduled_ns, first_token_ns, finished_ns, queue_time_s, ttft_s, e2e_s, input_tokens, "
     "output_tokens, cached_tokens, num_preemptions, finish_reason, dp_rank, prompt_block_hashes, "
-    "sampling_params, prompt_token_ids",
+    "sampling_params, prompt_token_ids, grammar_ready_ns",
     "steps": "step, start_ns, end_ns, duration_s, num_running, num_waiting, num_decode_tokens, "
     "num_prefill_tokens, token_budget, kv_free_before, kv_free_after, kv_total_blocks, "
     "prefix_hit_tokens, waiting_reason, waiting_reason_count, kv_blocks_short, "

@@ -16,7 +16,10 @@ The queue is split by reason. The engine admits new requests only between steps:
 request's arrival to the first step that considered it, it waited for the running step
 (`arrived_during_step`); from each step's start to the next, it waited for the reason that step
 recorded for the head of the waiting queue (first come, first served: the head's reason holds
-back everyone behind it). Steps not traced (`--trace-steps every:N`) leave `unknown`.
+back everyone behind it). Steps not traced (`--trace-steps every:N`) leave `unknown`. A
+structured request waits for its grammar to compile first (`grammar`, from its arrival to its
+`grammar_ready` event, whatever the steps meanwhile recorded for the head of the queue); the
+rule above takes over from there.
 
 Interference is estimated by each step's own token mix: a step that ran T tokens, o of them
 other requests', spent o/T of its time on them. On a CPU every token costs about the same in the
@@ -49,6 +52,7 @@ from stepscope.traces.backend.views import dp_rank_sql
 
 PARTS = ("before_engine_s", "queue_s", "prefill_s", "decode_s", "preempted_s", "after_engine_s")
 ARRIVED_DURING_STEP = "arrived_during_step"
+GRAMMAR = "grammar"  # waited for its grammar to compile (structured outputs)
 UNKNOWN = "unknown"
 # The machine, not the requests beside it, slowed a request's steps when their worker got under
 # half the CPU time its threads could have used AND under three quarters of one core. A CPU-bound
@@ -132,7 +136,7 @@ def explain(source: Queryable, request_id: str | None = None) -> dict[str, Any]:
         "request_id": request_id,
         "e2e_s": (t1 - t0) / 1e9,
         "parts": parts,
-        "queue_reasons": _queue_reasons(steps, queued, scheduled),
+        "queue_reasons": _queue_reasons(steps, queued, scheduled, request.get("grammar_ready_ns")),
         "shared": _shared(served, first, input_tokens - cached, scheduled, finished),
         "cpu": _cpu(served),
         "preemptions": int(request["num_preemptions"] or 0),
@@ -247,11 +251,20 @@ def _overlap(intervals: list[tuple[int, int]], start: int, end: int) -> int:
     return sum(max(0, min(b, end) - max(a, start)) for a, b in intervals)
 
 
-def _queue_reasons(steps: pd.DataFrame, queued: int, scheduled: int) -> dict[str, float]:
+def _queue_reasons(
+    steps: pd.DataFrame, queued: int, scheduled: int, grammar_ready: Any = None
+) -> dict[str, float]:
     """Seconds of the queue time per reason (see the module docstring)."""
     reasons: dict[str, float] = {}
     if scheduled <= queued:
         return reasons
+    if grammar_ready is not None and not pd.isna(grammar_ready):
+        ready = min(max(int(grammar_ready), queued), scheduled)
+        if ready > queued:
+            reasons[GRAMMAR] = (ready - queued) / 1e9
+        queued = ready
+        if scheduled <= queued:
+            return reasons
     considered = steps[(steps["start_ns"] >= queued) & (steps["start_ns"] <= scheduled)]
     starts = [int(s) for s in considered["start_ns"]]
     labels = [r if isinstance(r, str) else UNKNOWN for r in considered["waiting_reason"]]
@@ -406,6 +419,7 @@ def _part_sentence(
             "kv_blocks": "the KV cache had too few free blocks"
             + (f" (short by up to {int(steps['kv_blocks_short'].max())})" if len(steps) else ""),
             "preempted": "a preempted request ahead of it waited to be recomputed",
+            GRAMMAR: "its grammar was compiling (structured outputs)",
             UNKNOWN: "of steps not in the trace",
         }
         return f"waited {share} in the queue because {waits.get(reason, reason)}"

@@ -96,6 +96,7 @@ WITH r AS (
     SELECT *,
         {_event_ns(n.RequestEvent.QUEUED)} AS queued_ns,
         {_event_ns(n.RequestEvent.SCHEDULED)} AS scheduled_ns,
+        {_event_ns(n.RequestEvent.GRAMMAR_READY)} AS grammar_ready_ns,
         {_event_ns(n.RequestEvent.FIRST_TOKEN)} AS first_token_ns,
         {_event_ns(n.RequestEvent.FINISHED)} AS finished_ns
     FROM spans WHERE name = '{n.REQUEST}'
@@ -123,7 +124,8 @@ SELECT
     {dp_rank_sql()} AS dp_rank,
     {_num(n.PROMPT_BLOCK_HASHES, "VARCHAR[]")} AS prompt_block_hashes,
     CAST({_str(n.SAMPLING_PARAMS)} AS JSON) AS sampling_params,
-    {_num(n.PROMPT_TOKEN_IDS, "BIGINT[]")} AS prompt_token_ids
+    {_num(n.PROMPT_TOKEN_IDS, "BIGINT[]")} AS prompt_token_ids,
+    grammar_ready_ns
 FROM r
 """,
     # One row per `stepscope.run` span: each front end (LLM, AsyncLLM; each API server) records
