@@ -199,7 +199,8 @@ def tool_constraint(
     """`required`: a JSON array of calls, each `{"name": ..., "parameters": {...}}` of one of
     the tools (one call only with `parallel_tool_calls: false`); a named function: that
     function's parameters. As vLLM's `_get_json_schema_from_tool`, each tool's `$defs` move to
-    the top, where the references (`#/$defs/...`) of the array's items find them."""
+    the top, where the references (`#/$defs/...`) of the array's items find them; unlike it, a
+    call may hold no other keys (vLLM's let a small model pad a call until `max_tokens`)."""
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         i, tool = next((i, t) for i, t in enumerate(tools) if t.function.name == name)
@@ -221,6 +222,7 @@ def tool_constraint(
                     "parameters": params,
                 },
                 "required": ["name", "parameters"],
+                "additionalProperties": False,
             }
         )
     schema: dict[str, Any] = {

@@ -1,11 +1,14 @@
-"""Structured outputs and tool calls on the OpenAI surface, without a model: requests into
+"""Structured outputs and tool calls on the OpenAI surface: requests into
 `StructuredOutputsParams` (and their 400s), the tool-call parsers, and the chat response
-builder's `tool_calls` and `finish_reason`."""
+builder's `tool_calls` and `finish_reason`, without a model; then the 400s and constrained
+outputs through the shared tiny-llama server. Real clients on SmolLM2: test_structured_clients.py.
+"""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 from pydantic import ValidationError
@@ -20,6 +23,7 @@ from stepscope.engine.entrypoints.tool_parsers import (
     template_renders_tools,
 )
 from stepscope.engine.sampling_params import FieldError, SamplingParams
+from tests.server_utils import API_KEY, SERVED_MODEL
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 WEATHER = {
@@ -262,3 +266,104 @@ def test_chat_responses_return_tool_calls_and_finish_with_tool_calls() -> None:
     assert first["delta"]["role"] == "assistant" and first["delta"]["tool_calls"][0]["id"]
     assert "content" not in first["delta"] and last["finish_reason"] == "tool_calls"
     assert last["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": ": 1}"}}]
+
+
+# ---- through the shared tiny-llama server (tests/engine/conftest.py) ----------------------------
+def post(server, path: str, **body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": SERVED_MODEL, "max_tokens": 8, "temperature": 0, **body}
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"min_p": 0.1}, "min_p"),  # vLLM's, not implemented here: refused, not ignored
+        ({"tools": [WEATHER]}, "tool_choice"),  # auto: this template renders no tools
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),  # fmt: skip
+        # Refused by the grammar compiler (xgrammar has no lookahead), named as the request did.
+        ({"guided_regex": "(?=a)a"}, "guided_regex"),
+    ],
+)
+def test_the_server_refuses_with_a_400_naming_the_field(server, body, param) -> None:
+    r = post(server, "/v1/chat/completions", messages=USER, **body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    if param == "min_p":
+        assert "not supported" in error["message"]
+
+
+def test_the_server_accepts_what_clients_send_that_changes_nothing(server) -> None:
+    r = post(
+        server, "/v1/chat/completions", messages=USER, user="u", store=False,
+        metadata={"k": "v"}, service_tier="auto", parallel_tool_calls=True,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    r = post(server, "/v1/completions", prompt="Hi", user="u", suffix="!")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+
+
+# tiny-llama's random weights write anything the grammar allows: schemas that leave it a choice
+# of a few short outputs, so that each finishes well within max_tokens.
+UNIT = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["c", "f"]}},
+    "required": ["unit"],
+    "additionalProperties": False,
+}
+UNIT_TOOL = {"type": "function", "function": {"name": "set_unit", "parameters": UNIT}}
+
+
+def sse(r: httpx.Response) -> list[dict]:
+    lines = [line.removeprefix("data: ") for line in r.text.splitlines() if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_constrained_outputs_match_whole_and_streamed(server) -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "unit", "schema": UNIT}}
+    whole = post(server, "/v1/chat/completions", messages=USER, response_format=rf, max_tokens=32)
+    choice = whole.json()["choices"][0]
+    jsonschema.validate(json.loads(choice["message"]["content"]), UNIT)
+    assert choice["finish_reason"] == "stop"
+    streamed = post(server, "/v1/chat/completions", messages=USER, response_format=rf,
+                    max_tokens=32, stream=True, temperature=1.0, seed=5)  # fmt: skip
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in sse(streamed))
+    jsonschema.validate(json.loads(text), UNIT)
+    r = post(server, "/v1/completions", prompt="Yes or no?", n=4, temperature=1.0, seed=1,
+             structured_outputs={"choice": ["yes", "no"]})  # fmt: skip
+    assert {c["text"] for c in r.json()["choices"]} <= {"yes", "no"}
+
+
+def test_named_and_required_tool_calls_whole_and_streamed(server) -> None:
+    named = {"type": "function", "function": {"name": "set_unit"}}
+    body = {"messages": USER, "tools": [WEATHER, UNIT_TOOL], "max_tokens": 64}
+    choice = post(server, "/v1/chat/completions", tool_choice=named, **body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["function"]["name"] == "set_unit"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), UNIT)
+
+    chunks = sse(post(server, "/v1/chat/completions", tool_choice=named, stream=True, **body))
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "set_unit"
+    assert {d["index"] for d in deltas} == {0}
+    jsonschema.validate(json.loads("".join(d["function"]["arguments"] for d in deltas)), UNIT)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    body = {**body, "tools": [UNIT_TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+    choice = post(server, "/v1/chat/completions", **body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), UNIT)
