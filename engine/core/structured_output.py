@@ -147,7 +147,9 @@ class StructuredOutputManager:
             # otherwise pad a JSON value with blanks up to its token limit.
             grammar = compiler.compile_json_schema(spec, any_whitespace=False)
         elif kind == "json_object":
-            grammar = compiler.compile_builtin_json_grammar()
+            # Any JSON object (not any JSON value, as xgrammar's built-in JSON grammar allows),
+            # with the same bounded whitespace: vLLM compiles it this way too.
+            grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         elif kind == "regex":
             grammar = compiler.compile_regex(spec)
         else:  # "grammar" (EBNF), and "choice" as EBNF

@@ -109,18 +109,26 @@ def apply_grammar_bitmask(
     bitmask: torch.Tensor,  # [masked rows, words] int32: bit j of word w allows token 32 w + j
     rows: torch.Tensor,  # [masked rows] int64: the logits row each bitmask row masks
 ) -> None:
-    """Set to -inf every logit its row's grammar does not allow next, before sampling (so the
-    torch and the C sampling paths, greedy or not, see the same masked logits). Columns past the
-    bitmask's width (a model whose vocabulary is wider than its tokenizer's) are refused too.
-    In torch alone: the worker needs no grammar library (vLLM's `apply_grammar_bitmask`)."""
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
-    if allowed.shape[1] >= vocab:
-        allowed = allowed[:, :vocab]
+    """Push every logit its row's grammar does not allow next down to the dtype's lowest value
+    (as good as -inf: its probability is exactly 0), before sampling, so that the torch and the
+    C sampling paths, greedy or not, see the same masked logits. Columns past the bitmask's
+    width (a model whose vocabulary is wider than its tokenizer's) are refused too. In torch and
+    numpy alone: the worker needs no grammar library (vLLM's `apply_grammar_bitmask`)."""
+    if bitmask.device.type == "cpu":  # little-endian words: byte 4w + k holds tokens 32w + 8k..
+        bits = torch.from_numpy(
+            np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        )
     else:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        bits = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)
+    width = min(logits.shape[1], bits.shape[1])
+    # An add of 0 or -max: on a CPU many times cheaper than masked_fill or where over a mask.
+    penalty = bits[:, :width].to(logits.device, logits.dtype).sub_(1)
+    penalty.mul_(torch.finfo(logits.dtype).max)
+    masked = logits[rows]
+    masked[:, :width] += penalty
+    masked[:, width:] = float("-inf")
+    logits[rows] = masked
 
 
 def _apply_logit_bias(scores: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:
