@@ -239,6 +239,19 @@ class CompletionRequest(_Common):
         )
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message sent back (as the server returned it)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     # Other keys of a message (`refusal`, `annotations`, ... of an assistant message sent back)
     # are ignored: no chat template here reads them.
@@ -249,7 +262,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     # An assistant message's calls, and a tool message's answer to one (tool_parsers.py renders
     # them for a chat template that cannot).
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
     def text(self) -> str:

@@ -70,7 +70,7 @@ def template_messages(messages: list[Any], renders_tools: bool) -> list[dict[str
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            calls = [_call_for_template(c) for c in m.tool_calls]
+            calls = [_call_for_template(c.model_dump(exclude_none=True)) for c in m.tool_calls]
             if renders_tools:
                 d["tool_calls"] = calls
             else:
@@ -81,12 +81,10 @@ def template_messages(messages: list[Any], renders_tools: bool) -> list[dict[str
 
 
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        # Text that is not JSON: the template shows it as it came.
-        with contextlib.suppress(json.JSONDecodeError):
-            function["arguments"] = json.loads(arguments)
+    function = dict(call["function"])
+    # Text that is not JSON: the template shows it as it came.
+    with contextlib.suppress(json.JSONDecodeError):
+        function["arguments"] = json.loads(function["arguments"])
     return {**call, "function": function}
 
 

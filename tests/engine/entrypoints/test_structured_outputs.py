@@ -20,6 +20,7 @@ from stepscope.engine.entrypoints.tool_parsers import (
     HermesToolParser,
     NamedCallParser,
     RequiredCallsParser,
+    template_messages,
     template_renders_tools,
 )
 from stepscope.engine.sampling_params import FieldError, SamplingParams
@@ -42,7 +43,7 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 
 
 def chat(**kw) -> ChatCompletionRequest:
-    return ChatCompletionRequest(model="m", messages=USER, **kw)
+    return ChatCompletionRequest(**{"model": "m", "messages": USER, **kw})
 
 
 def refused(make, **kw) -> FieldError | ValidationError:
@@ -367,3 +368,22 @@ def test_named_and_required_tool_calls_whole_and_streamed(server) -> None:
     assert choice["finish_reason"] == "tool_calls", choice
     (call,) = choice["message"]["tool_calls"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), UNIT)
+
+
+def test_a_conversation_with_calls_renders_them_for_a_template_without_tools() -> None:
+    called = {"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    r = ChatCompletionRequest(
+        model="m",
+        messages=[*USER, {"role": "assistant", "content": None, "tool_calls": [called]},
+                  {"role": "tool", "content": "18C", "tool_call_id": "call_1"}],
+    )  # fmt: skip
+    plain = template_messages(r.messages, renders_tools=False)
+    assert json.loads(plain[1]["content"]) == [
+        {"name": "get_weather", "arguments": {"city": "Paris"}}
+    ]
+    assert plain[2] == {"role": "tool", "content": "18C", "tool_call_id": "call_1"}
+    rich = template_messages(r.messages, renders_tools=True)
+    assert rich[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    bad = {"role": "assistant", "tool_calls": [{"function": "get_weather"}]}
+    assert param_of(refused(chat, messages=[*USER, bad])).startswith("messages.1.tool_calls")
