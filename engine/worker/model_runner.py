@@ -108,6 +108,8 @@ class ModelRunner:
         self.num_kv_heads = self.shape.num_kv_heads // tp_size
         self.sampler = Sampler(self.device, m.seed, cpu_kernels=self.attn.name == "cpu")
         self.requests: dict[str, CachedRequestState] = {}
+        # Kept between steps for the grammar mask (apply_grammar_bitmask): grown, never shrunk.
+        self._grammar_scratch: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # ---- KV cache memory -----------------------------------------------------------------------
@@ -260,7 +262,12 @@ class ModelRunner:
         row_of = {st.req_id: i for i, st in enumerate(states)}
         masked = [j for j, req_id in enumerate(ids) if req_id in row_of]
         rows = torch.tensor([row_of[ids[j]] for j in masked], device=logits.device)
-        apply_grammar_bitmask(logits, bitmask[masked], rows)
+        scratch = self._grammar_scratch
+        if scratch is None or scratch.shape[0] < len(masked) or scratch.dtype != logits.dtype:
+            shape = (max(len(masked), 16), logits.shape[1])
+            scratch = torch.empty(shape, dtype=logits.dtype, device=logits.device)
+            self._grammar_scratch = scratch
+        apply_grammar_bitmask(logits, bitmask[masked], rows, scratch)
 
     def _sample(
         self, batch: _Batch, hidden: torch.Tensor, logits: torch.Tensor | None

@@ -145,6 +145,13 @@ def _add_sampling(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--streams", type=int, default=16, help="concurrent sampled chat streams")
     p.add_argument("--max-tokens", type=int, default=64, help="per stream")
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="structured outputs instead: the grammar bitmask's spans against the forward's "
+        "with --streams JSON-schema streams, and plain streams' inter-token latency while a "
+        "2,000-property schema compiles (offline, engine core and worker in their own processes)",
+    )
     p.set_defaults(func=_bench_sampling)
 
 
@@ -180,6 +187,10 @@ def _bench_serve(args: argparse.Namespace) -> None:
 
 
 def _bench_sampling(args: argparse.Namespace) -> int:
+    if args.structured:
+        from stepscope.engine.bench.structured import run_bench_structured
+
+        return run_bench_structured(args.model, args.streams, args.max_tokens, args.dtype)
     from stepscope.engine.bench.sampling import run_bench_sampling
 
     return run_bench_sampling(args.model, args.streams, args.max_tokens, args.dtype)
