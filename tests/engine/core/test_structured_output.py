@@ -211,3 +211,38 @@ def test_waiting_for_a_grammar_is_queue_reason_grammar(tmp_path) -> None:
         assert "grammar" in reasons  # the plain requests ran while it compiled
     finally:
         store.close()
+
+
+@pytest.mark.slow
+def test_smollm2_answers_a_real_schema_in_valid_json() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+            "population_millions": {"type": "number", "minimum": 0},
+            "landmarks": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 40},
+                "minItems": 1,
+                "maxItems": 3,
+            },  # fmt: skip
+        },
+        "required": ["city", "country", "population_millions", "landmarks"],
+        "additionalProperties": False,
+    }
+    llm = LLM(model="smollm2-135m-instruct", num_kv_blocks=256)
+    try:
+        questions = ["Tell me about Paris as JSON.", "Describe Tokyo in JSON."]
+        prompts = [
+            llm.processor.apply_chat_template([{"role": "user", "content": q}]) for q in questions
+        ]
+        params = SamplingParams(
+            temperature=0.0, max_tokens=160,
+            structured_outputs=StructuredOutputsParams(json=json.dumps(schema)),
+        )  # fmt: skip
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    finally:
+        llm.shutdown()
