@@ -129,7 +129,10 @@ def source_excerpt(
 ) -> Excerpt:
     """`obj`'s source from the first line matching `start` up to the first later line matching
     `end` (left out unless `include_end`). A marker is a substring of the line or a predicate on
-    it; a marker that matches nothing raises ValueError, so a notebook notices when code moves."""
+    it; a marker that matches nothing raises ValueError, so a notebook notices when code moves.
+    A decorated function is shown from its own file (getsourcelines looks through the decorator's
+    wrapper, getsourcefile does not)."""
+    obj = inspect.unwrap(obj)
     lines, first = inspect.getsourcelines(obj)
     lines = [line.rstrip("\n") for line in lines]
     qualname = getattr(obj, "__qualname__", getattr(obj, "__name__", repr(obj)))

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from stepscope.engine.core.scheduler import Scheduler
+from stepscope.engine.worker.model_runner import ModelRunner
 from stepscope.viz import lessons
 from stepscope.viz.lessons import (
     VLLM_PIN,
@@ -69,6 +70,14 @@ def test_excerpt_of_the_scheduler_names_engine_file() -> None:
     file_lines = (lessons.ROOT / excerpt.path).read_text().splitlines()
     assert file_lines[excerpt.first - 1 : excerpt.last] == excerpt.lines
     assert "<span" in excerpt._repr_html_()  # highlighted, with inline line numbers
+
+
+def test_excerpt_of_a_decorated_function_names_its_own_file() -> None:
+    # ModelRunner.execute_model is wrapped by torch.inference_mode, whose wrapper lives in torch.
+    excerpt = source_excerpt(ModelRunner.execute_model, "with child_span(names.SAMPLE):")
+    assert excerpt.path == "engine/worker/model_runner.py"
+    file_lines = (lessons.ROOT / excerpt.path).read_text().splitlines()
+    assert file_lines[excerpt.first - 1 : excerpt.last] == excerpt.lines
 
 
 def test_vllm_pin_is_one_full_commit_and_the_pin_line_names_it() -> None:
