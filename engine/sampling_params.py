@@ -69,19 +69,59 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         param = f"structured_outputs.{kind}"
         try:
             if kind == "json":
-                json.loads(self.json)
-                xgr.Grammar.from_json_schema(self.json, any_whitespace=False)
+                schema = json_schema_for_xgrammar(self.json)
+                xgr.Grammar.from_json_schema(schema, any_whitespace=False)
             elif kind == "regex":
                 xgr.Grammar.from_regex(self.regex)
             else:
                 xgr.Grammar.from_ebnf(self.grammar)
-        except json.JSONDecodeError as e:
-            raise FieldError(param, f"the JSON schema is not valid JSON: {e}") from None
         except RuntimeError as e:
             raise FieldError(param, f"invalid {kind}: {grammar_error(e)}") from None
 
 
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+# A JSON string of `minLength`-`maxLength` characters, none of them a control character, a quote
+# or a backslash (no escapes): what a length-bounded string compiles to (json_schema_for_xgrammar).
+_BOUNDED_STRING = '^[^\\x00-\\x1f"\\\\]{%d,%s}$'
+
+
+def json_schema_for_xgrammar(text: str) -> str:
+    """The schema text xgrammar compiles: `text` with each length-bounded string rewritten as a
+    pattern. xgrammar 0.2.8 compiles `minLength`/`maxLength` into a string that admits raw
+    control characters, which JSON forbids, and no escapes (its issue #800), so a bounded string
+    could end a request with `stop` and text `json.loads` refuses; a pattern of plain characters
+    has neither fault. A bounded string that also has a `pattern` or `format` cannot be
+    rewritten, and is refused (FieldError), as is text that is not JSON."""
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FieldError(
+            "structured_outputs.json", f"the JSON schema is not valid JSON: {e}"
+        ) from None
+    return json.dumps(_bounded_strings_as_patterns(schema))
+
+
+def _bounded_strings_as_patterns(node: object) -> object:
+    if isinstance(node, list):
+        return [_bounded_strings_as_patterns(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _bounded_strings_as_patterns(value) for key, value in node.items()}
+    bounded = "minLength" in node or "maxLength" in node
+    if node.get("type") != "string" or not bounded or "enum" in node or "const" in node:
+        return node
+    if "pattern" in node or "format" in node:
+        raise FieldError(
+            "structured_outputs.json",
+            "a string with minLength or maxLength and also a pattern or format is not supported",
+        )
+    low, high = node.pop("minLength", 0), node.pop("maxLength", None)
+    if not isinstance(low, int) or not isinstance(high, int | None):
+        raise FieldError("structured_outputs.json", "minLength and maxLength must be integers")
+    node["pattern"] = _BOUNDED_STRING % (low, "" if high is None else high)
+    return node
+
+
 # xgrammar's messages open with a time and its C++ source line: "[08:30:57] /project/cpp/x.cc:83: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
 

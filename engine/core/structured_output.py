@@ -28,7 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stepscope.engine.sampling_params import StructuredOutputsParams, grammar_error
+from stepscope.engine.sampling_params import (
+    StructuredOutputsParams,
+    grammar_error,
+    json_schema_for_xgrammar,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +149,8 @@ class StructuredOutputManager:
         if kind == "json":
             # No unbounded whitespace (vLLM's disable_any_whitespace): a small model could
             # otherwise pad a JSON value with blanks up to its token limit.
-            grammar = compiler.compile_json_schema(spec, any_whitespace=False)
+            schema = json_schema_for_xgrammar(spec)  # length bounds as patterns (see there)
+            grammar = compiler.compile_json_schema(schema, any_whitespace=False)
         elif kind == "json_object":
             # Any JSON object (not any JSON value, as xgrammar's built-in JSON grammar allows),
             # with the same bounded whitespace: vLLM compiles it this way too.

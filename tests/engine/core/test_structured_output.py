@@ -69,6 +69,34 @@ def test_json_schema_output_validates(llm: LLM) -> None:
         assert "  " not in out.outputs[0].text  # no unbounded whitespace
 
 
+def test_length_bounded_strings_stay_json(llm: LLM) -> None:
+    """xgrammar 0.2.8 compiles maxLength into a string that admits raw control characters: on
+    this prompt tiny-llama wrote byte 0x1e inside the string and finished `stop` with text
+    json.loads refused. Bounded strings compile as a pattern of plain characters instead."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 2, "maxLength": 12},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+        },
+        "required": ["city", "tags"],
+        "additionalProperties": False,
+    }
+    prompts = ["Weather in Oslo as JSON:", *PROMPTS]
+    for params in (structured(0.0, max_tokens=60, json=json.dumps(schema)),
+                   structured(max_tokens=60, json=json.dumps(schema))):  # fmt: skip
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_a_bounded_string_with_a_pattern_is_refused_by_name() -> None:
+    schema = {"type": "string", "maxLength": 5, "pattern": "^[a-z]+$"}
+    with pytest.raises(FieldError, match="pattern or format") as refused:
+        StructuredOutputsParams(json=json.dumps(schema)).check()
+    assert refused.value.param == "structured_outputs.json"
+
+
 def test_json_object_output_parses_or_is_cut_by_length(llm: LLM) -> None:
     for out in llm.generate(PROMPTS, structured(max_tokens=30, json_object=True), use_tqdm=False):
         completion = out.outputs[0]
