@@ -105,6 +105,16 @@ def test_a_burst_is_served_by_both_ranks_as_the_trace_shows(tmp_path) -> None:
             "FROM requests GROUP BY dp_rank ORDER BY dp_rank"
         )
         steps = llm.query_traces("SELECT DISTINCT dp_rank FROM steps ORDER BY dp_rank")
+        # Each rank computes its own requests' tokens and no more: prompt less prefix hits, plus
+        # every output token but the last (sampled, never fed back).
+        own = llm.query_traces(
+            "SELECT dp_rank, sum(input_tokens - coalesce(cached_tokens, 0) + output_tokens - 1) "
+            "AS own FROM requests GROUP BY dp_rank ORDER BY dp_rank"
+        )
+        scheduled = llm.query_traces(
+            "SELECT dp_rank, sum(num_prefill_tokens + num_decode_tokens) AS tokens FROM steps "
+            "GROUP BY dp_rank ORDER BY dp_rank"
+        )
         workers = llm.query_traces("SELECT DISTINCT dp_rank FROM worker_steps ORDER BY dp_rank")
         crossings = llm.query_traces(
             "SELECT boundary, side, dp_rank, count(*) AS n FROM crossings GROUP BY ALL ORDER BY ALL"
@@ -114,6 +124,7 @@ def test_a_burst_is_served_by_both_ranks_as_the_trace_shows(tmp_path) -> None:
     low, high = sorted(per_rank["tokens"])
     assert high <= 2 * low
     assert steps["dp_rank"].tolist() == [0, 1] and workers["dp_rank"].tolist() == [0, 1]
+    assert own["own"].tolist() == scheduled["tokens"].tolist()
     # Every boundary is crossed on both ranks, on both sides (the API side names the rank).
     assert (crossings.groupby(["boundary", "side"])["dp_rank"].nunique() == 2).all()
     assert len(crossings.groupby(["boundary", "side"])) == 8

@@ -58,6 +58,9 @@ def test_requests_held_back_by_max_num_seqs_are_explained_by_it(tmp_path) -> Non
         assert max(last["queue_reasons"], key=last["queue_reasons"].get) == "max_num_seqs"
         assert "max_num_seqs" in last["summary"]
         assert last["shared"]["other_requests_max"] == 0  # one at a time: nothing shared
+        # It waited at least as long as the three ahead of it were served, one after another.
+        served = sum(r["parts"]["prefill_s"] + r["parts"]["decode_s"] for r in results[1:])
+        assert last["parts"]["queue_s"] >= served - 1e-5
         assert explain(store)["request_id"] == last["request_id"]  # no id: the slowest
     finally:
         store.close()

@@ -55,3 +55,18 @@ def test_stages_4_to_8_run_in_path_order_within_every_step(tp2_store) -> None:
         assert path.step.nunique() > 1
         for step, stages in path.groupby("step"):
             assert list(stages.stage) == [4, 5, 6, 7, 8], (rid, step)
+
+
+def test_the_pieces_of_a_requests_ttft_follow_one_another(tp2_store) -> None:
+    # Lesson 05 splits a client's TTFT at these events; each piece is a wait between two events in
+    # causal order, so none is negative (request events are float seconds: about 1 us of slack).
+    slack_ns = 1_000
+    for rid in tp2_store.df("SELECT request_id FROM requests").request_id:
+        request, occ = stage_occurrences(tp2_store, rid)
+        stage2 = occ[occ.stage == 2].iloc[0]
+        first_back = occ[occ.stage == 9].sort_values("start_ns").iloc[0]
+        marks = [request["start_ns"], stage2.start_ns, stage2.end_ns, request["scheduled_ns"],
+                 request["first_token_ns"], first_back.end_ns]  # fmt: skip
+        gaps = [int(b) - int(a) for a, b in zip(marks, marks[1:], strict=False)]
+        assert min(gaps) >= -slack_ns, (rid, gaps)
+        assert request["ttft_s"] * 1e9 <= int(first_back.end_ns) - int(marks[0]) + slack_ns
