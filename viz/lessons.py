@@ -5,9 +5,9 @@ lesson harnesses, so that a notebook's cells hold the lesson and not its plumbin
   as an excerpt between two markers (a substring of a line, or a predicate on it), so a long
   function is taught a few lines at a time. `source_excerpt` is the same, returned, not shown.
 - `VLLM_PIN`: the one vLLM version every lesson cites (`show_vllm_pin()` prints the line each
-  notebook shows in its first vLLM cell). `beside(...)` shows a stepscope excerpt next to a short
-  summary, written here, of the vLLM function it mirrors at that commit (file and function name,
-  never vLLM's code) and one "differs:" line.
+  notebook shows in its first vLLM cell). `beside(...)` shows a stepscope excerpt next to (in a
+  narrow output, above) a short summary, written here, of the vLLM function it mirrors at that
+  commit (file and function name, never vLLM's code) and one "differs:" line.
 - `reveal(predicted, measured, why=...)`: prints the prediction and the measurement first, then
   checks the claim, so a prediction is revealed even when the check fails.
 - Harnesses: `run_pool` and `preemptions` (a tight KV pool, step by step), `process_table`,
@@ -114,7 +114,14 @@ class Excerpt:
         from pygments.formatters import HtmlFormatter
         from pygments.lexers import PythonLexer
 
-        fmt = HtmlFormatter(linenos="inline", linenostart=self.first, noclasses=True)
+        # A line wider than the output scrolls inside the code's box: JupyterLab would otherwise
+        # wrap it anywhere, mid-word, under the next line's number.
+        fmt = HtmlFormatter(
+            linenos="inline",
+            linenostart=self.first,
+            noclasses=True,
+            prestyles="white-space:pre;overflow-x:auto",
+        )
         head = f"<div style='font-family:monospace;color:#555'>{html.escape(self.header)}</div>"
         return head + highlight(self.code, PythonLexer(), fmt)
 
@@ -166,6 +173,23 @@ def show_source(
     _display(source_excerpt(obj, start, end, include_end=include_end))
 
 
+# How `Beside` lays out in HTML, inline so that JupyterLab and the site draw it alike. Two equal
+# columns when the output is wide enough for each to hold about 80 characters of code (JupyterLab
+# at 1600 px), else stacked, stepscope's excerpt above vLLM's summary (the site's article,
+# JupyterLab at 1000 px). `min-width:0` lets a column be narrower than its widest code line, which
+# then scrolls inside its own box instead of widening the column and squeezing vLLM's; vLLM's side
+# is prose and wraps, long paths included.
+BESIDE_CLASS = "stepscope-beside"
+BESIDE_MIN_COLUMN_PX = 640
+_GRID = (
+    "display:grid;grid-template-columns:"
+    f"repeat(auto-fit,minmax(min(100%,{BESIDE_MIN_COLUMN_PX}px),1fr));"
+    "gap:0.75em 1.5em;align-items:start;max-width:100%"
+)
+_OURS = "min-width:0;overflow-x:auto"
+_VLLM = "min-width:0;overflow-wrap:anywhere;border-left:3px solid #ccc;padding-left:0.75em"
+
+
 @dataclass(frozen=True, slots=True, repr=False)
 class Beside:
     excerpt: Excerpt
@@ -183,14 +207,16 @@ class Beside:
     def _repr_html_(self) -> str:
         esc = html.escape
         link = f"<a href='{VLLM_PIN.url(self.vllm_file)}'>{esc(self.vllm_file)}</a>"
-        right = (
+        code = self.excerpt._repr_html_()
+        ours = f"<div class='{BESIDE_CLASS}-stepscope' style='{_OURS}'>{code}</div>"
+        vllm = (
+            f"<div class='{BESIDE_CLASS}-vllm' style='{_VLLM}'>"
             f"<div style='font-family:monospace;color:#555'>vLLM {link} · "
-            f"{esc(self.vllm_function)} @ {VLLM_PIN.short}</div><p>{esc(self.summary)}</p>"
+            f"{esc(self.vllm_function)} @ {VLLM_PIN.short}</div>"
+            f"<p style='margin:0.25em 0 0 0'>{esc(self.summary)}</p></div>"
         )
-        cell = "style='vertical-align:top;text-align:left;padding:4px'"
         return (
-            f"<table><tr><td {cell}>{self.excerpt._repr_html_()}</td>"
-            f"<td {cell} width='38%'>{right}</td></tr></table>"
+            f"<div class='{BESIDE_CLASS}' style='{_GRID}'>{ours}{vllm}</div>"
             f"<p><b>differs:</b> {esc(self.differs)}</p>"
         )
 

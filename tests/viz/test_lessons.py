@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from html.parser import HTMLParser
 
 import pandas as pd
 import psutil
@@ -103,6 +104,62 @@ def test_beside_prints_the_vllm_side_and_one_differs_line(capsys: pytest.Capture
     shown = Beside(source_excerpt(_sample), **kwargs)
     assert repr(shown) == str(shown)  # IPython's plain text is the same text
     assert "differs:" in shown._repr_html_() and VLLM_PIN.commit in shown._repr_html_()
+
+
+class _Tags(HTMLParser):
+    """Each element's tag, class, inline style (as a dict) and the classes of its ancestors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[str] = []
+        self.elements: list[dict] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attr = dict(attrs)
+        style = [part.split(":", 1) for part in (attr.get("style") or "").split(";") if part]
+        cls = attr.get("class") or ""
+        self.elements.append(
+            {"tag": tag, "class": cls, "style": {k.strip(): v.strip() for k, v in style}}
+        )
+        self.elements[-1]["inside"] = list(self.open)
+        if tag not in ("br", "hr", "img", "wbr"):  # void elements have no end tag
+            self.open.append(cls)
+
+    def handle_endtag(self, tag: str) -> None:
+        self.open.pop()
+
+
+def test_beside_html_is_two_equal_columns_that_shrink_and_wrap_into_a_stack() -> None:
+    shown = Beside(
+        source_excerpt(Scheduler.schedule, "# Pass 1", "# Pass 2"),
+        vllm_file="vllm/v1/core/sched/scheduler.py",
+        vllm_function="Scheduler.schedule",
+        summary="a <long> summary",
+        differs="nothing",
+    )
+    parser = _Tags()
+    parser.feed(shown._repr_html_())
+    assert not parser.open, "every element is closed"
+    elements = parser.elements
+    assert not [e for e in elements if e["tag"] == "table"]  # a table sizes columns by content
+    (grid,) = [e for e in elements if e["class"] == "stepscope-beside"]
+    columns = [e for e in elements if e["inside"] and e["inside"][-1] == "stepscope-beside"]
+    assert [c["class"] for c in columns] == ["stepscope-beside-stepscope", "stepscope-beside-vllm"]
+    # Equal tracks (1fr each) no narrower than a minimum, as many as fit: side by side in a wide
+    # output, one above the other in a narrow one, never wider than the output (min(100%, ...)).
+    assert grid["style"]["display"] == "grid"
+    track = grid["style"]["grid-template-columns"]
+    assert re.fullmatch(r"repeat\(auto-fit,minmax\(min\(100%,\d+px\),1fr\)\)", track), track
+    # A grid column is as wide as its widest line unless its min-width is 0; the code scrolls in
+    # its own box, vLLM's prose wraps.
+    assert all(c["style"]["min-width"] == "0" for c in columns)
+    assert columns[0]["style"]["overflow-x"] == "auto"
+    (pre,) = [e for e in elements if e["tag"] == "pre"]  # code scrolls, never wraps mid-word
+    assert pre["style"]["white-space"] == "pre" and pre["style"]["overflow-x"] == "auto"
+    assert columns[1]["style"]["overflow-wrap"] == "anywhere"
+    assert not [e for e in elements if "width" in e["style"]], "no fixed width anywhere"
+    text = shown._repr_html_()
+    assert "a &lt;long&gt; summary" in text and "<b>differs:</b> nothing" in text
 
 
 def test_reveal_prints_both_numbers_before_a_failing_check(capsys: pytest.CaptureFixture) -> None:
