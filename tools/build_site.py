@@ -4,7 +4,8 @@ The home page is the README, then the course (tutorials/README.md and every less
 and the guides in docs/. Each lesson page shows the outputs of its run by
 tools/render_tutorials.py (the one `make tutorials` does: a fresh kernel, BokehJS inline) and how
 long that run took. A lesson whose executed copy in build/tutorials/ is missing, failed, or was
-made from another version of the notebook is executed first, once; the others are reused.
+made from another version of the notebook or before viz/lessons.py last changed is executed
+first, once; the others are reused.
 
 Sphinx (myst-nb, sphinx-book-theme; configuration in tools/site/conf.py) reads a staging copy laid
 out like the repository, build/site-src/, and writes build/site/. Any Sphinx warning (a link to a
@@ -30,6 +31,9 @@ CONF_DIR = ROOT / "tools" / "site"
 EXECUTED = ROOT / "build" / "tutorials"
 STAGE = ROOT / "build" / "site-src"
 BOKEH_JUPYTER_MIME = "application/vnd.bokehjs_"
+# The lessons' outputs are drawn by this module too (`beside`'s layout, excerpts): a copy executed
+# before it last changed shows the old HTML, however unchanged its notebook.
+HELPERS = ROOT / "viz" / "lessons.py"
 # The guides in reading order; a page in docs/ missing here comes after these, by name.
 DOC_ORDER = [
     "request-path",
@@ -56,6 +60,8 @@ def why_execute(source: Path, executed: Path) -> str | None:
         return "the notebook changed since"
     if run.get("error"):
         return "its last run failed"
+    if HELPERS.stat().st_mtime > datetime.fromisoformat(run["executed_at"]).timestamp():
+        return f"{HELPERS.relative_to(ROOT)} changed since"
     return None
 
 

@@ -3,6 +3,7 @@ removes from a lesson before Sphinx reads it."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nbformat
@@ -16,13 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILDER = build_site
 
 
-def _executed(tmp_path: Path, source: Path, error: str | None = None, wall_s: float = 41.2) -> Path:
+def _executed(
+    tmp_path: Path,
+    source: Path,
+    error: str | None = None,
+    wall_s: float = 41.2,
+    executed_at: str | None = None,  # now, after any edit of viz/lessons.py
+) -> Path:
     """An executed copy of `source`, as tools/render_tutorials.py writes one."""
     notebook = nbformat.read(source, as_version=4)
     notebook.metadata["stepscope"] = {
         "wall_s": wall_s,
         "machine": "2 cores of Test CPU",
-        "executed_at": "2026-01-02T03:04:05+00:00",
+        "executed_at": executed_at or datetime.now(UTC).isoformat(timespec="seconds"),
         "error": error,
         "source_sha256": BUILDER.renderer.source_digest(source),
     }
@@ -67,8 +74,18 @@ def test_executed_copy_is_reused_only_when_made_from_this_notebook_and_passed(tm
     assert BUILDER.why_execute(source, executed) == "the notebook changed since"
 
 
+def test_executed_copy_is_not_reused_once_the_lesson_helpers_changed(tmp_path) -> None:
+    # beside's layout and the excerpts' HTML come from viz/lessons.py, not from the notebook.
+    source = _lesson(tmp_path)
+    before = _executed(tmp_path, source, executed_at="2001-01-01T00:00:00+00:00")
+    assert BUILDER.why_execute(source, before) == "viz/lessons.py changed since"
+
+
 def test_lesson_page_says_under_its_title_how_long_the_run_took(tmp_path) -> None:
-    page = BUILDER.lesson_page(_executed(tmp_path, _lesson(tmp_path), wall_s=130.4))
+    executed = _executed(
+        tmp_path, _lesson(tmp_path), wall_s=130.4, executed_at="2026-01-02T03:04:05"
+    )
+    page = BUILDER.lesson_page(executed)
     lines = page.cells[0].source.splitlines()
     assert lines[0] == "# 03 · A lesson"
     assert "Executed in 2 min 10 s on 2 cores of Test CPU, 2026-01-02" in lines[2]
