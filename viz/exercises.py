@@ -100,16 +100,24 @@ def check(key: str, answer: Any = None, run: Any = None) -> bool:
     if answer is None or run is None:
         print("To check your answer, pass it and your run:\n" + usage(key))
         return False
-    measured = ex.measure(run)
-    shown = plain(answer)
+    try:
+        measured = ex.measure(run)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{key}: could not measure your run ({error!r}); pass {ex.run}") from error
+    shown, seen = _show(answer), _show(measured)
     if ex.holds(answer, measured):
-        print(f"right: {key}: {shown!r} is what your run shows ({ex.quantity})")
+        print(f"right: {key}: your answer {shown} holds; your run shows {seen} ({ex.quantity})")
         return True
-    print(
-        f"not yet: {key}: your answer {shown!r}; your run shows {plain(measured)!r} "
-        f"(its {ex.quantity})"
-    )
+    print(f"not yet: {key}: your answer {shown}; your run shows {seen} (its {ex.quantity})")
     return False
+
+
+def _show(value: Any) -> str:
+    """A value as the learner wrote it: sets sorted, numpy and pandas values as plain Python."""
+    value = plain(value)
+    if isinstance(value, frozenset):
+        return "{" + ", ".join(map(repr, sorted(value))) + "}"
+    return repr(value)
 
 
 # --- reading a learner's run ----------------------------------------------------------------
