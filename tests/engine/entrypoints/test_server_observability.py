@@ -26,7 +26,8 @@ from stepscope.traces.backend.source import CollectorSource
 from tests.process_tree import ProcessTree
 from tests.server_utils import API_KEY, SERVED_MODEL, Server
 
-REASONS = ("budget", "max_num_seqs", "kv_blocks", "preempted")
+# Every reason the scheduler records, grammar compiles included (one series each).
+REASONS = ("budget", "max_num_seqs", "kv_blocks", "preempted", "grammar")
 FIELDS = {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
           "tokens_per_second"}  # fmt: skip
 GAUGE = "stepscope:num_requests_waiting_by_reason"
