@@ -274,3 +274,19 @@ def test_smollm2_answers_a_real_schema_in_valid_json() -> None:
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
     finally:
         llm.shutdown()
+
+
+def test_compile_threads_run_below_the_engine_cores_priority() -> None:
+    """A compile must not take the forward's core at the same priority (see COMPILE_NICENESS)."""
+    import os
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stepscope.engine.core.structured_output import COMPILE_NICENESS, _lower_priority
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    with ThreadPoolExecutor(1, initializer=_lower_priority) as pool:
+        lowered = pool.submit(nice).result()
+    assert lowered == min(19, nice() + COMPILE_NICENESS)
