@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
 from stepscope.engine.entrypoints.serve import ServerProcess
 from stepscope.traces.process import free_port
+from tests.process_tree import ProcessTree
 
-__all__ = ["API_KEY", "CLI", "SERVED_MODEL", "Server", "free_port"]
+__all__ = ["API_KEY", "CLI", "SERVED_MODEL", "Server", "free_port", "served"]
 
 # `stepscope ...` as a command line that runs this checkout's code in this interpreter.
 CLI = [sys.executable, "-m", "stepscope.engine.entrypoints.cli"]
@@ -30,3 +33,19 @@ class Server(ServerProcess):
             if line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
+
+
+@contextmanager
+def served(*args: str, timeout: float = 120.0) -> Iterator[Server]:
+    """`stepscope serve ARGS` for the block's length: stopped after it, and every process it
+    started killed, a start that failed halfway included."""
+    tree = ProcessTree()
+    try:
+        with tree.adopting():
+            server = Server(*args, timeout=timeout)
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        tree.kill()

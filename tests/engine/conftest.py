@@ -7,8 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.process_tree import ProcessTree
-from tests.server_utils import API_KEY, SERVED_MODEL, Server
+from tests.server_utils import API_KEY, SERVED_MODEL, Server, served
 
 
 @pytest.fixture(scope="package")
@@ -19,16 +18,8 @@ def server() -> Iterator[Server]:
 
     Tests that read its counters take differences (before and after their own requests), and
     each bench test replays its own seeded workload: they share one server in any order."""
-    tree = ProcessTree()
-    try:
-        with tree.adopting():
-            s = Server(
-                "--model", SERVED_MODEL, "--num-kv-blocks", "256", "--api-key", API_KEY,
-                "--max-model-len", "512", "--max-num-seqs", "64", "--api-server-niceness", "10",
-            )  # fmt: skip
-        try:
-            yield s
-        finally:
-            s.stop()
-    finally:
-        tree.kill()
+    with served(
+        "--model", SERVED_MODEL, "--num-kv-blocks", "256", "--api-key", API_KEY,
+        "--max-model-len", "512", "--max-num-seqs", "64", "--api-server-niceness", "10",
+    ) as s:  # fmt: skip
+        yield s

@@ -16,8 +16,7 @@ from langchain_core.messages import AIMessageChunk
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from tests.process_tree import ProcessTree
-from tests.server_utils import Server
+from tests.server_utils import Server, served
 
 pytestmark = pytest.mark.slow
 
@@ -35,16 +34,8 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    tree = ProcessTree()
-    try:
-        with tree.adopting():
-            s = Server("--model", MODEL, "--num-kv-blocks", "128", "--no-trace", timeout=300)
-        try:
-            yield s
-        finally:
-            s.stop()
-    finally:
-        tree.kill()
+    with served("--model", MODEL, "--num-kv-blocks", "128", "--no-trace", timeout=300) as s:
+        yield s
 
 
 @pytest.fixture
