@@ -25,12 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from stepscope.engine.layers.ops import (
-    CpuForwardOps,
-    ForwardOps,
-    TorchForwardOps,
-    TritonForwardOps,
-)
+from stepscope.engine.layers.ops import CpuForwardOps, ForwardOps, TorchForwardOps, TritonForwardOps
 
 logger = logging.getLogger(__name__)
 

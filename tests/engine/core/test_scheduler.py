@@ -92,11 +92,17 @@ def walkthrough_scenario(num_running: int, free_blocks: int) -> Scheduler:
     return scheduler
 
 
+def walkthrough_prompt(scheduler: Scheduler, prompt_len: int) -> Request:
+    """The walkthrough's new prompt, request id "prompt", queued behind the running decodes."""
+    prompt = make_request("prompt", tokens(prompt_len, 10**6), block_size=WALKTHROUGH_BLOCK_SIZE)
+    scheduler.add_request(prompt)
+    return prompt
+
+
 def test_walkthrough_group_a_prompt_admitted_beside_64_decodes_and_finished_in_two_chunks() -> None:
     scheduler = walkthrough_scenario(num_running=64, free_blocks=64)
     kv = scheduler.kv
-    prompt = make_request("prompt", tokens(3968, start=10**6), block_size=WALKTHROUGH_BLOCK_SIZE)
-    scheduler.add_request(prompt)
+    prompt = walkthrough_prompt(scheduler, 3968)
 
     out = scheduler.schedule()
 
@@ -131,8 +137,7 @@ def test_walkthrough_group_a_prompt_admitted_beside_64_decodes_and_finished_in_t
 def test_walkthrough_group_b_prompt_not_admitted_when_blocks_short() -> None:
     scheduler = walkthrough_scenario(num_running=127, free_blocks=16)
     kv = scheduler.kv
-    prompt = make_request("prompt", tokens(1920, start=10**6), block_size=WALKTHROUGH_BLOCK_SIZE)
-    scheduler.add_request(prompt)
+    prompt = walkthrough_prompt(scheduler, 1920)
 
     out = scheduler.schedule()
 
@@ -156,9 +161,7 @@ def test_walkthrough_group_b_prompt_not_admitted_when_blocks_short() -> None:
 
 def test_walkthrough_group_b_prompt_admitted_once_30_blocks_are_free() -> None:
     scheduler = walkthrough_scenario(num_running=127, free_blocks=30)
-    scheduler.add_request(
-        make_request("prompt", tokens(1920, 10**6), block_size=WALKTHROUGH_BLOCK_SIZE)
-    )
+    walkthrough_prompt(scheduler, 1920)
 
     out = scheduler.schedule()
 
