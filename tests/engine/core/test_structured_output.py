@@ -215,6 +215,21 @@ def test_structured_requests_under_async_scheduling() -> None:
         llm.shutdown()
 
 
+@pytest.mark.slow
+def test_structured_requests_across_data_parallel_ranks(tmp_path) -> None:
+    """Each DP rank's engine core compiles and masks its own requests' grammars."""
+    db = tmp_path / "dp.duckdb"
+    with LLM(model="tiny-llama", num_kv_blocks=128, data_parallel_size=2, trace_db=db) as llm:
+        params = [structured(choice=COLOURS), structured(max_tokens=60, json=json.dumps(SCHEMA))]
+        outs = llm.generate(PROMPTS * 2, params * 4, use_tqdm=False)
+    with TraceStore(db, read_only=True) as store:
+        served = store.df("SELECT DISTINCT request_id, dp_rank FROM step_requests")
+    assert set(served.dp_rank) == {0, 1}  # both ranks ran structured requests
+    for choice, schema in zip(outs[::2], outs[1::2], strict=True):
+        assert choice.outputs[0].text in COLOURS
+        jsonschema.validate(json.loads(schema.outputs[0].text), SCHEMA)
+
+
 def test_waiting_for_a_grammar_is_queue_reason_grammar(tmp_path) -> None:
     db = str(tmp_path / "grammar.duckdb")
     # A schema large enough that its compile outlasts a few steps of the plain requests.
