@@ -171,6 +171,7 @@ TEMPLATE = (
 )
 
 
+@pytest.mark.slow  # starts `stepscope serve` (8 s): the fast tier stays under 4 minutes
 def test_serve_uses_the_folders_chat_template_generation_defaults_and_eos_list(tmp_path):
     """A tiny Qwen3 folder whose generation_config.json lists a second eos id (a token its greedy
     answer reaches) and top_k=1: a chat completion that sets no sampling values is greedy, is
