@@ -53,15 +53,18 @@ def test_requests_held_back_by_max_num_seqs_are_explained_by_it(tmp_path) -> Non
     store = TraceStore(db, read_only=True)
     try:
         results = assert_parts_add_up(store)
-        last = results[0]  # the slowest: it waited for the three before it
+        # The last admitted waited for the three before it; it is also the slowest, unless a
+        # hiccup (a loaded machine) stretched another request's steps.
+        last = max(results, key=lambda r: r["parts"]["queue_s"])
         assert largest_part(last)[0] == "queue_s"
         assert max(last["queue_reasons"], key=last["queue_reasons"].get) == "max_num_seqs"
         assert "max_num_seqs" in last["summary"]
         assert last["shared"]["other_requests_max"] == 0  # one at a time: nothing shared
         # It waited at least as long as the three ahead of it were served, one after another.
-        served = sum(r["parts"]["prefill_s"] + r["parts"]["decode_s"] for r in results[1:])
+        others = [r for r in results if r is not last]
+        served = sum(r["parts"]["prefill_s"] + r["parts"]["decode_s"] for r in others)
         assert last["parts"]["queue_s"] >= served - 1e-5
-        assert explain(store)["request_id"] == last["request_id"]  # no id: the slowest
+        assert explain(store)["request_id"] == results[0]["request_id"]  # no id: the slowest
     finally:
         store.close()
 
