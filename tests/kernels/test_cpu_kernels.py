@@ -189,6 +189,7 @@ def test_rotary_equals_transformers_bit_for_bit_from_a_fused_qkv_row(dtype):
         ops.rotary(torch.tensor([2048] * tokens), q, k, cache)
 
 
+@pytest.mark.slow  # compiles the library twice (5 s): the fast tier stays under 4 minutes
 def test_the_build_is_cached_by_source_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("STEPSCOPE_CACHE", str(tmp_path))
     path = build.build()
@@ -297,6 +298,7 @@ def test_a_definition_that_disagrees_with_kernels_h_does_not_compile(
         build.compile_library(src, tmp_path)
 
 
+@pytest.mark.slow  # preprocesses every C source (6 s): the fast tier stays under 4 minutes
 def test_the_definitions_name_their_parameters_as_kernels_h_does(tmp_path):
     # The compiler checks types, not names, and calls pass their arguments by kernels.h's names.
     assert _definitions(build.HERE) == build.signatures(HEADER)
