@@ -53,7 +53,7 @@ class VllmPin:
 
 
 VLLM_PIN = VllmPin(
-    release="main after v0.15.1 (Feb 2026, before v0.16.0)",
+    release="main of February 2026, after release v0.16.0 branched and before v0.17.0",
     commit="b4622cf924bc72504aed99e486062d6633fde39e",
     checked="2026-12-03",
 )
