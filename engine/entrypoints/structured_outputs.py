@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
-import jsonschema
 from pydantic import BaseModel, ConfigDict, Field
 
 from stepscope.engine.sampling_params import FieldError, StructuredOutputsParams
@@ -95,6 +94,10 @@ def schema_text(schema: Any, param: str) -> str:
             raise FieldError(param, f"{param}: not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise FieldError(param, f"{param}: a JSON schema must be an object")
+    # Imported at the first schema: importing jsonschema takes 1.5 s of CPU where its optional
+    # IRI-format package is installed, too much for every API server's start.
+    import jsonschema
+
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: the API server reads RopeScaling and runs no torch
+    import torch
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -33,6 +35,8 @@ class RopeScaling:
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
     """[head_dim / 2] float32 inverse frequencies, scaled as `scaling` says."""
+    import torch
+
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling.rope_type == "linear":
@@ -45,6 +49,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    import torch
+
     old_len = s.original_max_position_embeddings
     low_freq_wavelen = old_len / s.low_freq_factor  # longer than this: divided by factor
     high_freq_wavelen = old_len / s.high_freq_factor  # shorter than this: kept
