@@ -162,11 +162,13 @@ def tensor_data(path: Path, info: TensorInfo) -> np.ndarray:
 
 def check_gguf(model_dir: Path) -> None:
     """Refuse, by name, a block type the kernel has no repack for (before anything starts)."""
+    path = gguf_file(model_dir)
+    if path is None:
+        return
+    # Imported only for a GGUF: it brings torch, which the serving process needs for no other.
     from stepscope.engine.layers.quantization import check_supported
 
-    path = gguf_file(model_dir)
-    if path is not None:
-        check_supported(tensor_types(path))
+    check_supported(tensor_types(path))
 
 
 def resolve_quantization(asked: str | None, model_dir: str | Path, device: str) -> str | None:
@@ -264,12 +266,12 @@ def load_gguf_weights(model_dir: Path, quantized: bool) -> dict:
 def weight_format(model_dir: Path, quantization: str | None, dtype: str) -> str:
     """What a model's weights run as, for the start-up line and /v1/models: "gguf (Q4_1,
     Q8_0)", "bfloat16, dequantized from GGUF", or the dtype."""
-    from stepscope.engine.layers.quantization import BLOCK_TYPES
-
     path = gguf_file(model_dir)
     if path is None:
         return dtype
     if quantization == "gguf":
+        from stepscope.engine.layers.quantization import BLOCK_TYPES  # brings torch
+
         types = sorted({t for t in tensor_types(path).values() if t in BLOCK_TYPES})
         return f"gguf ({', '.join(types)})"
     return f"{dtype}, dequantized from GGUF"
