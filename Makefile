@@ -30,17 +30,23 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(PY) -m stepscope.engine.entrypoints.cli demo
 
+# Tests run in TEST_WORKERS pytest-xdist workers, the machine's cores dealt out between them
+# (tests/conftest.py): most tests keep about one core busy, so two workers on 2 cores take ~2/3
+# of one session's time. TEST_WORKERS=0 runs one plain session.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
+
 # Everything: lint, then every test, fast and slow tiers, naming the 25 slowest.
 test: setup lint
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 # The developer's loop: lint, then every test not marked `slow` (a few minutes on 2 cores).
 check: setup lint
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PY) -m pytest -q $(XDIST) -m "not slow" --durations=10
 
 # The slow tier alone: notebooks, browsers, lm-eval, multi-process deployments, process lifetimes.
 test-slow: setup
-	$(PY) -m pytest -q -m slow --durations=25
+	$(PY) -m pytest -q $(XDIST) -m slow --durations=25
 
 bench: setup
 	$(PY) -m stepscope.engine.entrypoints.cli bench offline

@@ -30,6 +30,23 @@ if not torch.cuda.is_available():
 # killed (and named), so that no engine keeps spinning after `make test`.
 os.environ.setdefault(MARK, f"session-{uuid.uuid4().hex}")
 
+# `make test` runs the suite in two pytest-xdist workers, one per core (most tests keep about
+# one core busy: the engine's processes take turns). A worker marks what it starts with the
+# session's mark and its own name, so that its teardown kills only its own processes and the
+# controller's (which starts none) kills whatever any worker left; the worker processes keep
+# the session's mark and are spared. Each worker is bound to a core of its own, and with it
+# every process it starts: an engine sizes its torch threads by the cores it may use, and two
+# workers' engines with a thread per core each would fight over both.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ[MARK] = f"{os.environ[MARK]}-{XDIST_WORKER}"
+    _cores = sorted(os.sched_getaffinity(0))
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _index = int(XDIST_WORKER.removeprefix("gw"))
+    if len(_cores) >= _workers > 1:  # the cores dealt out: gw0 gets 0, 2, 4..., gw1 1, 3, 5...
+        os.sched_setaffinity(0, set(_cores[_index::_workers]))
+        torch.set_num_threads(len(_cores[_index::_workers]))
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -125,6 +142,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    left = kill_marked(os.environ[MARK])
+    # A worker kills its own processes; the xdist controller those of every worker.
+    controller = not XDIST_WORKER and session.config.getoption("numprocesses", None)
+    left = kill_marked(
+        f"{os.environ[MARK]}-" if controller else os.environ[MARK], prefix=bool(controller)
+    )
     if left:
         print(f"\nkilled {len(left)} processes the tests left running:", *left, sep="\n  ")

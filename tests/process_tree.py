@@ -50,10 +50,10 @@ def wait_pids_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
-def marked(mark: str) -> list[psutil.Process]:
-    """Every live process whose environment carries `MARK=mark`, except this one and its
-    ancestors (a test session run inside a marked process, e.g. by the GPU check's dry run,
-    must not kill the processes that started it)."""
+def marked(mark: str, prefix: bool = False) -> list[psutil.Process]:
+    """Every live process whose environment carries `MARK=mark` (with `prefix`, a mark that
+    starts with `mark`), except this one and its ancestors (a test session run inside a marked
+    process, e.g. by the GPU check's dry run, must not kill the processes that started it)."""
     me = psutil.Process()
     spared = {me.pid, *(p.pid for p in me.parents())}
     found = []
@@ -61,16 +61,19 @@ def marked(mark: str) -> list[psutil.Process]:
         if proc.pid in spared:
             continue
         try:
-            if proc.environ().get(MARK) == mark and proc.status() != psutil.STATUS_ZOMBIE:
+            found_mark = proc.environ().get(MARK, "")
+            hit = found_mark.startswith(mark) if prefix else found_mark == mark
+            if hit and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
 
 
-def kill_marked(mark: str, timeout: float = 10.0) -> list[str]:
-    """SIGKILL every process with the mark; returns what was left running (pid and command)."""
-    procs = marked(mark)
+def kill_marked(mark: str, timeout: float = 10.0, prefix: bool = False) -> list[str]:
+    """SIGKILL every process with the mark (or, with `prefix`, a mark that starts with it);
+    returns what was left running (pid and command)."""
+    procs = marked(mark, prefix)
     left = []
     for proc in procs:
         try:
