@@ -8,7 +8,6 @@ killed outright and cannot stop anything itself."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 
 import psutil
@@ -21,15 +20,13 @@ pytestmark = pytest.mark.slow  # process lifetimes: servers killed, their trees 
 
 
 def port_is_free(port: int) -> bool:
-    """Nothing listens there: the next server can bind it (as servers do, with SO_REUSEADDR,
-    so that connections still in TIME_WAIT do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    """Nothing listens there any more. (Not "the port can be bound": the suite runs in
+    parallel workers, and another test's client may meanwhile hold the port as the local end
+    of a connection, which is no server of ours.)"""
+    return not any(
+        c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+        for c in psutil.net_connections(kind="tcp")
+    )
 
 
 def test_serve_killed_takes_its_engine_workers_and_collector_with_it(tmp_path, process_tree):
