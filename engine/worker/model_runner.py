@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import ctypes
-import math
-import mmap
 import os
 import sys
 from dataclasses import dataclass
@@ -144,21 +142,15 @@ class ModelRunner:
         ]
 
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """One layer's keys or values, zeroed. On a CPU, fresh anonymous memory that Linux
-        zeroes page by page on first touch: no pass writes the whole pool at start-up (zeroing
-        the default 2 GiB pool took 4 s), and the pool's memory is committed as blocks are used.
-        On 2 MiB pages where Linux gives them: decode attention reads blocks scattered over the
-        whole pool, and on 4 KiB pages nearly every block costs a TLB miss or three (float32
-        decode read 10-20% more GB/s of cold cache on huge pages, docs/benchmarks.md). The
-        advice must come before the first touch."""
+        """One layer's keys or values, zeroed. On a CPU, on 2 MiB pages where Linux gives them:
+        decode attention reads blocks scattered over the whole pool, and on 4 KiB pages nearly
+        every block costs a TLB miss or three (float32 decode read 10-20% more GB/s of cold
+        cache on huge pages, docs/benchmarks.md). The advice must come before the first touch."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        count = math.prod(shape)
-        # Private, not shared: shared anonymous memory is shmem, which takes no huge pages.
-        memory = mmap.mmap(-1, count * self.dtype.itemsize, flags=mmap.MAP_PRIVATE)
-        cache = torch.frombuffer(memory, dtype=self.dtype, count=count).view(shape)
+        cache = torch.empty(shape, dtype=self.dtype)
         advise_huge_pages(cache)
-        return cache
+        return cache.zero_()
 
     # ---- one step --------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
