@@ -42,10 +42,11 @@ if XDIST_WORKER:
     os.environ[MARK] = f"{os.environ[MARK]}-{XDIST_WORKER}"
     _cores = sorted(os.sched_getaffinity(0))
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    _index = int(XDIST_WORKER.removeprefix("gw"))
-    if len(_cores) >= _workers > 1:  # the cores dealt out: gw0 gets 0, 2, 4..., gw1 1, 3, 5...
-        os.sched_setaffinity(0, set(_cores[_index::_workers]))
-        torch.set_num_threads(len(_cores[_index::_workers]))
+    # The cores dealt out: gw0 gets 0, 2, 4..., gw1 1, 3, 5...
+    _mine = _cores[int(XDIST_WORKER.removeprefix("gw")) :: _workers]
+    if len(_cores) >= _workers > 1:
+        os.sched_setaffinity(0, set(_mine))
+        torch.set_num_threads(len(_mine))
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
