@@ -7,11 +7,19 @@ least squares as
     fixed + prefill tokens x a + decode tokens x b + context tokens x c
 
 (`num_context_tokens`: the tokens the step's requests attend to), every coefficient kept
-non-negative (a step never gets cheaper with more work). Between steps the engine spends time of
-its own (outputs out, new requests in): the mean gap from one step's end to the next one's start
-while requests were in the engine is added after every step where it is at least `GAP_MATTERS`
-of the mean step; an idle engine starts its first step `wake_s` after a request reaches it (the
-recorded mean). viz/whatif.py times its simulated steps with it.
+non-negative (a step never gets cheaper with more work).
+
+A run on GGUF blocks has two kinds of step (engine/models/linear.py): up to
+`quantized_max_tokens` tokens run the quantized kernels, bound by the bytes they read and slower
+per token; more tokens run the dequantized copy through the dense GEMM. On SmolLM2 a 4-token
+decode took 27 ms and a 5-token one 22 ms, a drop no single line through both can follow: the
+small steps are then fitted on their own (`small_max_tokens`), where the trace holds at least
+`MIN_REGIME_STEPS` of each kind, and the model times each step by its kind.
+
+Between steps the engine spends time of its own (outputs out, new requests in): the mean gap from
+one step's end to the next one's start while requests were in the engine is added after every step
+where it is at least `GAP_MATTERS` of the mean step; an idle engine starts its first step `wake_s`
+after a request reaches it (the recorded mean). viz/whatif.py times its simulated steps with it.
 
 A step whose worker got far less CPU than its threads could have used (explain's contention rule,
 `explain.contended`, on the step's `cpu_s`, `worker_s` and `num_threads`) measured the machine,
@@ -32,10 +40,13 @@ import pandas as pd
 from stepscope.traces.backend.explain import contended
 from stepscope.traces.backend.queries import STEPS_WITH_OWN_TIME
 from stepscope.traces.backend.source import Queryable
+from stepscope.traces.backend.units import format_seconds
 from stepscope.traces.backend.workload import check_one_run
 
 # The mean gap between steps is part of the model when it is at least this share of a step.
 GAP_MATTERS = 0.01
+# Steps of each kind needed to fit the small and large steps of a quantized run on their own.
+MIN_REGIME_STEPS = 8
 
 
 _TERMS = ("fixed_s", "prefill_token_s", "decode_token_s", "context_token_s")
@@ -67,12 +78,20 @@ class CostModel:
     contended_cpu_cores: float | None = None
     contended_mean_step_s: float = 0.0
     busy_machine: bool = False  # most steps contended: fitted on all of them all the same
+    # A quantized run's steps of at most this many tokens, timed by `small_terms` (fixed,
+    # prefill, decode, context; fitted on `small_steps` of them); 0: one kind of step.
+    small_max_tokens: int = 0
+    small_terms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    small_steps: int = 0
 
     @property
     def steps_left_out(self) -> int:
         return 0 if self.busy_machine else self.contended_steps
 
     def step_s(self, prefill: int, decode: int, context: int) -> float:
+        if prefill + decode <= self.small_max_tokens:
+            fixed, a, b, c = self.small_terms
+            return fixed + prefill * a + decode * b + context * c
         return (
             self.fixed_s
             + prefill * self.prefill_token_s
@@ -82,6 +101,24 @@ class CostModel:
 
     def coefficients(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in (*_TERMS, "gap_s")}
+
+    def terms_text(self) -> str:
+        """What a step takes, in words: one line of terms, or one for each kind of step."""
+        large = _terms_text(self.fixed_s, self.prefill_token_s, self.decode_token_s,
+                            self.context_token_s)  # fmt: skip
+        if not self.small_max_tokens:
+            return large
+        return (
+            f"{large}; steps of up to {self.small_max_tokens} tokens (the quantized kernels, "
+            f"{self.small_steps} of the steps fitted) take {_terms_text(*self.small_terms)}"
+        )
+
+
+def _terms_text(fixed: float, prefill: float, decode: float, context: float) -> str:
+    return (
+        f"{format_seconds(fixed)} + {format_seconds(prefill)} per prefill token + "
+        f"{format_seconds(decode)} per decode token + {format_seconds(context)} per context token"
+    )
 
 
 def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -140,17 +177,39 @@ def between_steps(steps: pd.DataFrame, requests: pd.DataFrame) -> tuple[np.ndarr
     return (np.concatenate(gaps) if gaps else empty, np.concatenate(wakes) if wakes else empty)
 
 
-def fit_cost_model(source: Queryable) -> CostModel:
-    """The cost model fitted on a trace's own steps (see the module docstring). A trace holding
-    several runs raises ValueError (`workload.check_one_run`)."""
+def small_step_tokens(flat: dict) -> int:
+    """The most tokens a step of the recorded run (`flat`: its EngineConfig by field name) ran
+    on the quantized kernels; 0 where every step ran one kind of kernel."""
+    if flat.get("quantization") != "gguf" or flat.get("quantized_max_tokens") is None:
+        return 0
+    return int(flat["quantized_max_tokens"])
+
+
+def fit_cost_model(source: Queryable, small_max_tokens: int = 0) -> CostModel:
+    """The cost model fitted on a trace's own steps (see the module docstring), its steps of
+    at most `small_max_tokens` tokens apart (`small_step_tokens`). A trace holding several runs
+    raises ValueError (`workload.check_one_run`)."""
     check_one_run(source)
-    return fit_steps(source.df(_FIT_STEPS), source.df(_ENGINE_TIMES))
+    return fit_steps(source.df(_FIT_STEPS), source.df(_ENGINE_TIMES), small_max_tokens)
 
 
-def fit_steps(steps: pd.DataFrame, requests: pd.DataFrame) -> CostModel:
+def _fit(steps: pd.DataFrame, has_context: bool) -> np.ndarray:
+    """The four non-negative coefficients fitted on `steps` (the context term 0 without it)."""
+    context = steps["context"].to_numpy(float, na_value=0.0) if has_context else 0.0
+    x = np.column_stack(
+        [np.ones(len(steps)), steps["prefill"].to_numpy(float),
+         steps["decode"].to_numpy(float), np.zeros(len(steps)) + context]
+    )  # fmt: skip
+    coef = nonnegative_least_squares(x if has_context else x[:, :3], steps["own_s"].to_numpy(float))
+    return np.append(coef, 0.0) if not has_context else coef
+
+
+def fit_steps(steps: pd.DataFrame, requests: pd.DataFrame, small_max_tokens: int = 0) -> CostModel:
     """The cost model fitted on `steps` (the columns of `_FIT_STEPS`, by rank and start), less
     the contended ones unless most were; the gaps and wake-ups between all of them, with
-    `requests` (`dp_rank`, `queued_ns`, `finished_ns`) saying when the engine held some."""
+    `requests` (`dp_rank`, `queued_ns`, `finished_ns`) saying when the engine held some. Steps
+    of at most `small_max_tokens` tokens are fitted on their own where there are enough of
+    both kinds."""
     if len(steps) < 2:
         raise ValueError("the trace holds fewer than two engine steps: nothing to fit a model to")
     cpu_s, worker_s, threads = (
@@ -161,15 +220,18 @@ def fit_steps(steps: pd.DataFrame, requests: pd.DataFrame) -> CostModel:
     busy = count > 0 and (2 * count > len(steps) or len(steps) - count < 2)
     fitted = steps[~starved] if count and not busy else steps
     has_context = bool(fitted["context"].notna().all())
-    context = fitted["context"].to_numpy(float, na_value=0.0) if has_context else 0.0
-    x = np.column_stack(
-        [np.ones(len(fitted)), fitted["prefill"].to_numpy(float),
-         fitted["decode"].to_numpy(float), np.zeros(len(fitted)) + context]
-    )  # fmt: skip
+    small = (fitted["prefill"] + fitted["decode"]).to_numpy() <= small_max_tokens
+    if min(int(small.sum()), int((~small).sum())) < MIN_REGIME_STEPS:
+        small_max_tokens, small = 0, np.zeros(len(fitted), bool)
+    coef = _fit(fitted[~small], has_context)
+    small_coef = _fit(fitted[small], has_context) if small.any() else np.zeros(4)
     y = fitted["own_s"].to_numpy(float)
-    coef = nonnegative_least_squares(x if has_context else x[:, :3], y)
-    coef = np.append(coef, 0.0) if not has_context else coef
-    residual = x @ coef - y
+    context = fitted["context"].to_numpy(float, na_value=0.0) if has_context else np.zeros(len(y))
+    x = np.column_stack(
+        [np.ones(len(y)), fitted["prefill"].to_numpy(float), fitted["decode"].to_numpy(float),
+         context]
+    )  # fmt: skip
+    residual = np.where(small, x @ small_coef, x @ coef) - y
     gaps, wakes = between_steps(steps, requests)
     mean_gap = float(gaps.mean()) if len(gaps) else 0.0
     mean_step = float(y.mean())
@@ -192,4 +254,7 @@ def fit_steps(steps: pd.DataFrame, requests: pd.DataFrame) -> CostModel:
         contended_cpu_cores=cores,
         contended_mean_step_s=float(steps["own_s"][starved].mean()) if count else 0.0,
         busy_machine=busy,
+        small_max_tokens=small_max_tokens,
+        small_terms=tuple(float(c) for c in small_coef),
+        small_steps=int(small.sum()),
     )

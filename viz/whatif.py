@@ -6,7 +6,8 @@ step takes:
 
 - **The cost model** (viz/cost_model.py): each recorded step's own compute time fitted as
   `fixed + prefill tokens x a + decode tokens x b + context tokens x c`, coefficients kept
-  non-negative, plus the mean gap between steps where it matters.
+  non-negative, plus the mean gap between steps where it matters; a run on GGUF blocks has its
+  steps on the quantized kernels (a few tokens) fitted apart from the rest.
 - **The event loop.** Each request enters the scheduler once the clock passes its recorded
   arrival at the engine core (`arrival_s + before_engine_s`), its prompt from
   `workload.synthetic_prompts` (so prefix hits happen as recorded), its recorded output length
@@ -58,7 +59,7 @@ from stepscope.traces.backend.workload import (
     recorded_pool,
     synthetic_prompts,
 )
-from stepscope.viz.cost_model import CostModel, fit_cost_model
+from stepscope.viz.cost_model import CostModel, fit_cost_model, small_step_tokens
 
 # The settings whatif can change: what the scheduler and the KV cache manager read.
 GRID_KEYS = (
@@ -520,8 +521,8 @@ def load_trace(source: Queryable) -> LoadedTrace:
     workload = load_workload(source)
     if not workload.requests:
         raise ValueError("the trace holds no request: nothing to predict")
-    model = fit_cost_model(source)
     flat = recorded_flat(workload)
+    model = fit_cost_model(source, small_step_tokens(flat))
     pool = flat.get("num_kv_blocks") or recorded_pool(source)
     if pool is None:
         raise ValueError("the trace records no KV pool size (no step has kv_total_blocks)")

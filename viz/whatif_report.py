@@ -75,11 +75,6 @@ def contention_lines(model: CostModel) -> list[str]:
 def model_lines(model: CostModel) -> list[str]:
     """The cost model's coefficients and fit error, as sentences; then what the fit did with
     contended steps."""
-    terms = (
-        f"{format_seconds(model.fixed_s)} + {format_seconds(model.prefill_token_s)} per prefill "
-        f"token + {format_seconds(model.decode_token_s)} per decode token + "
-        f"{format_seconds(model.context_token_s)} per context token"
-    )
     gap = (
         f"then {format_seconds(model.gap_s)} between steps"
         if model.gap_s
@@ -88,8 +83,8 @@ def model_lines(model: CostModel) -> list[str]:
     )
     share = model.mean_abs_error_s / model.mean_step_s if model.mean_step_s else 0.0
     return [
-        f"cost model, fitted on {model.num_steps} steps: a step takes {terms}; {gap}; an idle "
-        f"engine starts a step {format_seconds(model.wake_s)} after a request reaches it",
+        f"cost model, fitted on {model.num_steps} steps: a step takes {model.terms_text()}; {gap}; "
+        f"an idle engine starts a step {format_seconds(model.wake_s)} after a request reaches it",
         f"fit error: {format_seconds(model.mean_abs_error_s)} per step on average ({share:.0%} "
         f"of the mean step of {format_seconds(model.mean_step_s)}), root mean square "
         f"{format_seconds(model.rms_error_s)}",

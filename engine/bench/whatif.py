@@ -194,10 +194,7 @@ def workload_lines(result: WorkloadResult) -> list[str]:
         f"== {result.plan.title}",
         f"recorded with {settings_text(result.plan.engine)} in "
         f"{format_seconds(result.record_s)}; {result.recorded['preemptions']} preemptions",
-        f"cost model: {m.num_steps} steps, {format_seconds(m.fixed_s)} + "
-        f"{format_seconds(m.prefill_token_s)}/prefill token + "
-        f"{format_seconds(m.decode_token_s)}/decode token + "
-        f"{format_seconds(m.context_token_s)}/context token; fit error "
+        f"cost model: {m.num_steps} steps, {m.terms_text()}; fit error "
         f"{format_seconds(m.mean_abs_error_s)} a step ({share:.0%} of the mean "
         f"{format_seconds(m.mean_step_s)})",
         f"self-check, recorded settings predicted vs recorded: {self_check}",
@@ -259,6 +256,8 @@ def result_json(
                 "self_check": r.self_check,
                 "cost_model": {
                     **r.model.coefficients(),
+                    "small_max_tokens": r.model.small_max_tokens,
+                    "small_terms": list(r.model.small_terms),
                     "num_steps": r.model.num_steps,
                     "mean_step_s": r.model.mean_step_s,
                     "mean_abs_error_s": r.model.mean_abs_error_s,

@@ -144,6 +144,41 @@ def test_contended_steps_at_five_times_are_left_out_and_the_fit_comes_out_right(
     assert old.mean_abs_error_s > 0.01 and whatif_report.contention_lines(old) == []
 
 
+def regime_steps(num_small: int) -> pd.DataFrame:
+    """40 steps of more than 4 tokens on STEP_MODEL and `num_small` decodes of 1-4 tokens on
+    quantized kernels: 11 ms + 5 ms a token, dearer per token than the large steps' 1 ms."""
+    steps = contended_steps(0)
+    rng = np.random.default_rng(5)
+    decode = rng.integers(1, 5, num_small)
+    context = rng.integers(16, 2000, num_small).astype(float)
+    small = pd.DataFrame({
+        "dp_rank": 0, "start_ns": 0, "end_ns": 0, "own_s": 0.011 + 0.005 * decode,
+        "prefill": 0, "decode": decode, "context": context, "cpu_s": np.nan,
+        "worker_s": np.nan, "num_threads": np.nan,
+    })  # fmt: skip
+    steps["decode"] += 4  # every large step runs more than 4 tokens
+    steps["own_s"] += 4 * STEP_MODEL[2]
+    return pd.concat([steps, small], ignore_index=True)
+
+
+def test_a_quantized_runs_few_token_steps_are_fitted_apart_from_the_rest() -> None:
+    steps = regime_steps(12)
+    model = fit_steps(steps, NO_REQUESTS, small_max_tokens=4)
+    assert (model.small_max_tokens, model.small_steps) == (4, 12)
+    assert model.small_terms == pytest.approx((0.011, 0.0, 0.005, 0.0), abs=1e-9)
+    fitted = (model.fixed_s, model.prefill_token_s, model.decode_token_s, model.context_token_s)
+    assert fitted == pytest.approx(STEP_MODEL, rel=1e-6)
+    assert model.mean_abs_error_s == pytest.approx(0, abs=1e-12)
+    assert model.step_s(0, 3, 500) == pytest.approx(0.026)
+    assert model.step_s(0, 5, 500) == pytest.approx(0.02 + 0.005 + 0.005)
+    assert "steps of up to 4 tokens" in whatif_report.model_lines(model)[0]
+    # One line through both kinds misses; too few small steps to fit: one kind, said so.
+    assert fit_steps(steps, NO_REQUESTS).mean_abs_error_s > 0.001
+    few = fit_steps(regime_steps(7), NO_REQUESTS, small_max_tokens=4)
+    assert (few.small_max_tokens, few.small_steps) == (0, 0)
+    assert "steps of up to" not in whatif_report.model_lines(few)[0]
+
+
 def test_a_trace_mostly_contended_is_fitted_whole_and_called_a_busy_machine() -> None:
     model = fit_steps(contended_steps(30), NO_REQUESTS)
     assert model.busy_machine and model.contended_steps == 30

@@ -254,9 +254,9 @@ def _add_whatif(bench_sub: argparse._SubParsersAction) -> None:
         help="which of the three to record, comma-separated",
     )
     p.add_argument("--chats", type=int, default=32, help="bursty chat: requests")
-    p.add_argument("--short-chats", type=int, default=12, help="long prompt: the short chats")
+    p.add_argument("--short-chats", type=int, default=24, help="long prompt: the short chats")
     p.add_argument("--long-prompt", type=int, default=1024, help="long prompt: its tokens")
-    p.add_argument("--pool-chats", type=int, default=12, help="small pool: requests")
+    p.add_argument("--pool-chats", type=int, default=24, help="small pool: requests")
     p.add_argument("--max-prompt", type=int, default=400, help="longest chat prompt, tokens")
     p.add_argument("--max-output", type=int, default=128, help="longest chat output, tokens")
     p.add_argument("--replays", type=int, default=2, help="replays of each setting (>= 2)")
