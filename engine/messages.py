@@ -39,17 +39,29 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     req_id: str
     token_ids: list[int]  # prompt, plus tokens generated before a preemption
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]  # its block table in KV cache group 0 (the only one, in most models)
     num_computed_tokens: int
     num_prompt_tokens: int = 0  # of token_ids, the prompt (for prompt logprobs)
+    # A hybrid model's other KV cache groups (1, 2, ..): each one's block table.
+    group_block_ids: list[list[int]] = []
+
+    def block_ids_by_group(self) -> list[list[int]]:
+        return [self.block_ids, *self.group_block_ids]
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """Per-step diff for requests the worker already holds."""
 
     req_ids: list[str] = []
-    new_block_ids: list[list[int]] = []
+    new_block_ids: list[list[int]] = []  # per request, its new blocks in KV cache group 0
     num_computed_tokens: list[int] = []
+    # A hybrid model's other groups: per request, per group 1, 2, .., its new blocks.
+    new_group_block_ids: list[list[list[int]]] = []
+
+    def new_block_ids_by_group(self, i: int) -> list[list[int]]:
+        """The new blocks of the i-th request in every group."""
+        more = self.new_group_block_ids[i] if self.new_group_block_ids else []
+        return [self.new_block_ids[i], *more]
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):

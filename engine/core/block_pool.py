@@ -71,14 +71,28 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+    """`reserve_null_block`: block 0 leaves the pool for good, as the null block a sliding-window
+    group's table holds where its window has freed a block (zeroed, never written, never freed;
+    taken only where some group frees blocks, so single-table engines keep every block id)."""
+
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False
+    ) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            least = "two blocks (one is the null block)" if reserve_null_block else "one block"
+            raise ValueError(f"the KV pool needs at least {least}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null_block:
+            self.null_block = self.free_queue.popleft()
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,7 +100,7 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
@@ -105,6 +119,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference to prefix-cache hits; a hit that was free leaves the free queue."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
@@ -112,6 +128,8 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the given order (evicted first goes first)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             assert block.ref_cnt > 0, f"block {block.block_id} freed more often than taken"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -121,7 +139,7 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
         if block_hash in self.cached:
             # Another request computed the same tokens first; keep the first copy indexed.
@@ -137,7 +155,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused while any block is in use."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

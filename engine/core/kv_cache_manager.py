@@ -1,28 +1,77 @@
 """KVCacheManager: which blocks each request holds, prefix-cache lookup and `allocate_slots`
 (stage 4: `Scheduler.schedule` calls both). Engine-core side: no tensors.
+
+Blocks are held per KV cache group (engine/core/kv_cache_utils.py): one group of every layer
+for a model whose layers all attend the same way, one table per group for a hybrid model, whose
+sliding-window groups give back what their window has left behind (kv_cache_coordinator.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from stepscope.engine.core.block_pool import BlockPool, KVCacheBlock
+from stepscope.engine.core.kv_cache_coordinator import BlocksByGroup, KVCacheCoordinator
+from stepscope.engine.core.kv_cache_utils import KVCacheGroupSpec, cdiv
 from stepscope.engine.core.request import Request
 
+__all__ = ["KVCacheBlocks", "KVCacheManager", "cdiv"]
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+
+class KVCacheBlocks(list):
+    """Blocks of one request in every group: all of them, group after group, as one list, and
+    each group's own in `groups`. With one group (every single-type model) the list is that
+    group's table, as the single-table manager always returned."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: BlocksByGroup) -> None:
+        super().__init__(b for group in groups for b in group)
+        self.groups = groups
+
+    def block_ids(self) -> list[list[int]]:
+        return [[b.block_id for b in group] for group in self.groups]
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+    ) -> None:
+        """`kv_cache_groups`: by default one full-attention group (the layers do not matter to
+        the engine core, only how each group keeps its blocks)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are already in the prefix-cache index.
-        self.num_cached_blocks: dict[str, int] = {}
+        self.groups = kv_cache_groups or [KVCacheGroupSpec((0,), None)]
+        self.coordinator = KVCacheCoordinator(self.groups, num_blocks, block_size, enable_caching)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
         self.last_blocks_short = 0  # how many blocks the last refused allocation lacked
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.coordinator.pool
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """Each request's blocks, every group's in turn (null blocks included)."""
+        managers = self.coordinator.managers
+        return {
+            rid: [b for m in managers for b in m.req_to_blocks.get(rid, [])]
+            for rid in managers[0].req_to_blocks
+        }
+
+    @property
+    def num_cached_blocks(self) -> dict[str, int]:
+        """Leading blocks of each request in the prefix-cache index (of the first group)."""
+        return self.coordinator.managers[0].num_cached_block
 
     @property
     def num_free_blocks(self) -> int:
@@ -32,23 +81,23 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, in whole blocks.
+    @property
+    def num_blocks_by_group(self) -> list[int]:
+        """Blocks each group holds now (a block shared by requests counts once)."""
+        return [m.num_blocks_in_use for m in self.coordinator.managers]
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of the request, in whole blocks, held in every group.
 
         The last prompt token is never counted: the model must run on at least one token to
         produce the logits of the next one. A request that wants its prompt's logprobs gets no
         hit: the model must run on every prompt token to score it.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return KVCacheBlocks([[] for _ in self.groups]), 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        hits, num_blocks = self.coordinator.find_longest_cache_hit(request.block_hashes, max_blocks)
+        return KVCacheBlocks(hits), num_blocks * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a request blocked at the head of the queue looks
@@ -62,56 +111,51 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
-    ) -> list[KVCacheBlock] | None:
-        """Give the request room for `num_new_tokens` more tokens of KV.
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+    ) -> KVCacheBlocks | None:
+        """Give the request room for `num_new_tokens` more tokens of KV in every group, after
+        giving back what sliding windows no longer need.
 
-        Returns the newly allocated blocks, or None (and changes nothing) when the pool is short.
+        Returns the newly allocated blocks, or None (and takes nothing) when the pool is short
+        of what all groups need together.
         """
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
-        computed_hits = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = max(num_required - len(blocks) - len(computed_hits), 0)
-        if not num_new_blocks and not computed_hits:
-            # The room is held already (most decodes: part way through their last block).
-            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
-            return []
-        # Hits sitting in the free queue stop being free once taken.
-        num_hits_free = sum(1 for b in computed_hits if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_hits_free:
-            self.last_blocks_short = num_new_blocks - (self.pool.num_free_blocks - num_hits_free)
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        hits = self._by_group(new_computed_blocks)
+        rid = request.request_id
+        coordinator = self.coordinator
+        # The first query of this step is at num_computed_tokens: blocks wholly before its
+        # window are free before the count.
+        coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_needed = coordinator.get_num_blocks_to_allocate(rid, num_tokens, hits)
+        if num_needed > self.pool.num_free_blocks:
+            self.last_blocks_short = num_needed - self.pool.num_free_blocks
             return None
-        self.pool.touch(computed_hits)
-        blocks.extend(computed_hits)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
-        self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
-        return new_blocks
+        coordinator.save_new_computed_blocks(rid, hits)
+        new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
+        coordinator.cache_blocks(request, num_tokens)
+        return KVCacheBlocks(new_blocks)
 
-    def _cache_full_blocks(
-        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> None:
-        if not self.enable_caching:
-            return
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        end = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(start, end):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = max(start, end)
+    def _by_group(self, blocks: Sequence[KVCacheBlock] | None) -> BlocksByGroup:
+        if isinstance(blocks, KVCacheBlocks):
+            return blocks.groups
+        if blocks and self.num_groups > 1:
+            raise ValueError("with several KV cache groups, hits come as KVCacheBlocks")
+        return [list(blocks or [])] + [[] for _ in self.groups[1:]]
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its prefix stays cached the longest."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        """Release the request's blocks in every group, tail first, so its prefix stays cached
+        the longest."""
+        self.coordinator.free(request.request_id)
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids, every group's in turn (one group: its table)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def block_ids_by_group(self, request_id: str) -> list[list[int]]:
+        """The request's block table in each group (null block ids where a window freed one)."""
+        return [[b.block_id for b in group] for group in self.coordinator.get_blocks(request_id)]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

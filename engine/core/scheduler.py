@@ -48,6 +48,8 @@ class StepStats:
     # Tokens the step's scheduled requests attend to: each one's KV length once the step has
     # run (computed tokens, prefix hits included, plus the tokens scheduled now), summed.
     num_context_tokens: int = 0
+    # Blocks each KV cache group holds once the step is scheduled (one entry per group).
+    kv_blocks_by_group: tuple[int, ...] = ()
 
 
 # "budget": running requests used the token budget; "max_num_seqs": the running batch is full;
@@ -132,7 +134,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         kv_free_before = self.kv.num_free_blocks
         num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
+        new_blocks: dict[str, list[list[int]]] = {}  # per request, per KV cache group
         preempted: list[Request] = []
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
@@ -157,7 +159,7 @@ class Scheduler:
             if blocks is None:
                 break
             num_scheduled[request.request_id] = n
-            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            new_blocks[request.request_id] = blocks.block_ids()
             scheduled_running.append(request)
             budget -= n
             i += 1
@@ -241,6 +243,7 @@ class Scheduler:
             waiting_reason=blocked_by,
             kv_blocks_short=kv_short if blocked_by == "kv_blocks" else 0,
             num_context_tokens=num_context,
+            kv_blocks_by_group=tuple(self.kv.num_blocks_by_group),
         )
         if not num_scheduled and not preempted:
             # Nothing to run: no step happens. Requests finished meanwhile (aborts) wait for the
@@ -256,6 +259,8 @@ class Scheduler:
                 preempted_req_ids=[],
             )  # fmt: skip
 
+        tables = {r.request_id: self.kv.block_ids_by_group(r.request_id) for r in scheduled_new}
+        hybrid = self.kv.num_groups > 1
         output = SchedulerOutput(
             step=self.step_index,
             scheduled_new_reqs=[
@@ -263,16 +268,20 @@ class Scheduler:
                     req_id=r.request_id,
                     token_ids=list(r.all_token_ids),
                     sampling_params=r.sampling_params,
-                    block_ids=self.kv.block_ids(r.request_id),
+                    block_ids=tables[r.request_id][0],
                     num_computed_tokens=r.num_computed_tokens,
                     num_prompt_tokens=r.num_prompt_tokens,
+                    group_block_ids=tables[r.request_id][1:],
                 )
                 for r in scheduled_new
             ],
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=[r.request_id for r in scheduled_running],
-                new_block_ids=[new_blocks[r.request_id] for r in scheduled_running],
+                new_block_ids=[new_blocks[r.request_id][0] for r in scheduled_running],
                 num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+                new_group_block_ids=(
+                    [new_blocks[r.request_id][1:] for r in scheduled_running] if hybrid else []
+                ),
             ),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
