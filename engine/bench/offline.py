@@ -11,6 +11,7 @@ measures the emulation, not the engine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import random
@@ -103,6 +104,7 @@ def run_stepscope(
     dtype: str = "float32",
     data_parallel_size: int = 1,
     quantization: str | None = "auto",
+    async_scheduling: bool = False,
 ) -> tuple[float, list[float]]:
     """Seconds to generate the workload, and each request's TTFT (first token - arrival)."""
     from stepscope.engine.entrypoints.llm import LLM
@@ -118,6 +120,7 @@ def run_stepscope(
         dtype=dtype,
         data_parallel_size=data_parallel_size,
         quantization=quantization,
+        async_scheduling=async_scheduling,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
@@ -240,7 +243,8 @@ def bench_offline(args: argparse.Namespace) -> None:
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         raise SystemExit(f"--dtype: unknown {unknown}; choose from {sorted(DTYPES)}")
-    _dp_sizes(args.dp)  # a bad --dp fails before anything runs
+    _dp_sizes(args.dp)  # a bad --dp or --async-scheduling fails before anything runs
+    _async_settings(args.async_scheduling)
     model_dir = resolve_model(args.model)
     cfg = load_config(model_dir)
     workload = make_workload(
@@ -268,8 +272,11 @@ def bench_offline(args: argparse.Namespace) -> None:
     probe = {d: matmul_peak_gflops(getattr(torch, d), n=512, reps=3) for d in {"float32", *dtypes}}
     summary = []
     quantizations = [None if q == "none" else q for q in args.quantization.split(",")]
-    for quantization, dtype in [(q, d) for q in quantizations for d in dtypes]:
+    asyncs = _async_settings(args.async_scheduling)
+    for quantization, dtype, async_ in itertools.product(quantizations, dtypes, asyncs):
         setting = dtype if len(quantizations) == 1 else f"{quantization or 'none'}/{dtype}"
+        if len(asyncs) > 1:
+            setting += f"/async {'on' if async_ else 'off'}"
         print(f"--- {setting}")
         share = probe[dtype] / probe["float32"]
         if share < NATIVE_FRACTION and not args.force_dtype:
@@ -283,7 +290,7 @@ def bench_offline(args: argparse.Namespace) -> None:
             continue
         peak = matmul_peak_gflops(getattr(torch, dtype))
         print(f"matmul roofline: {peak:.1f} GFLOP/s (2048^3 {dtype})")
-        tps_ss = _bench_stepscope(args, workload, flops, peak, dtype, quantization)
+        tps_ss = _bench_stepscope(args, workload, flops, peak, dtype, quantization, async_)
         mfu = flops * tps_ss / workload.num_output_tokens / 1e9 / peak
         line = f"{setting}: stepscope {tps_ss:.1f} output tok/s, MFU {mfu:.0%}"
         if not args.skip_transformers:
@@ -309,6 +316,7 @@ def _bench_stepscope(
     peak: float,
     dtype: str,
     quantization: str | None = "auto",
+    async_scheduling: bool = False,
 ) -> float:
     """Every executor x DP size x tracing setting in one dtype; returns the best setting's output
     tok/s."""
@@ -326,7 +334,15 @@ def _bench_stepscope(
                     trace_db = str(folder / "trace.duckdb")
                 label = _label(executor, dp, len(dps) > 1, args.tracing, tracing)
                 elapsed, ttft = run_stepscope(
-                    args.model, workload, args, executor, trace_db, dtype, dp, quantization
+                    args.model,
+                    workload,
+                    args,
+                    executor,
+                    trace_db,
+                    dtype,
+                    dp,
+                    quantization,
+                    async_scheduling,
                 )
                 seconds.setdefault(label, []).append(elapsed)
                 ttfts.setdefault(label, []).extend(ttft)
@@ -367,6 +383,14 @@ def _bench_stepscope(
     if len(dps) > 1:
         _print_dp_comparison(args, dps, results, ttfts)
     return max(results.values())
+
+
+def _async_settings(spec: str) -> list[bool]:
+    """--async-scheduling: off, on, or both in the order given."""
+    values = [v.strip() for v in spec.split(",")]
+    if not values or any(v not in ("off", "on") for v in values):
+        raise SystemExit(f"--async-scheduling: off, on, or 'off,on', got {spec!r}")
+    return [v == "on" for v in values]
 
 
 def _dp_sizes(spec: str) -> list[int]:

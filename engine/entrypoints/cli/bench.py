@@ -89,6 +89,11 @@ def _add_offline(bench_sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run a dtype even where its matmul is emulated on this CPU (slow)",
     )
+    p.add_argument(
+        "--async-scheduling",
+        default="off",
+        help="off, on, or 'off,on': the whole comparison once per setting",
+    )
     p.set_defaults(func=_bench_offline)
 
 

@@ -82,3 +82,10 @@ def test_bad_dp_sizes_are_refused_before_any_run(spec: str) -> None:
     args = build_parser().parse_args(["bench", "offline", *SMALL, "--dp", spec])
     with pytest.raises(SystemExit, match="--dp"):
         offline.bench_offline(args)
+
+
+@pytest.mark.parametrize("spec", ["maybe", "off,"])
+def test_bad_async_scheduling_settings_are_refused_before_any_run(spec: str) -> None:
+    args = build_parser().parse_args(["bench", "offline", *SMALL, "--async-scheduling", spec])
+    with pytest.raises(SystemExit, match="--async-scheduling"):
+        offline.bench_offline(args)
