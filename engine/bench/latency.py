@@ -53,12 +53,26 @@ def weight_bytes_per_token(llm) -> int:
     return total
 
 
+def _print_breakdowns(args: argparse.Namespace, engines: dict, vocab: int) -> None:
+    from stepscope.engine.bench.latency_parts import breakdown_lines, decode_breakdown
+
+    prompt = [(7919 * (i + 7)) % (vocab - 100) + 100 for i in range(args.prompt_tokens)]
+    for label, llm in engines.items():
+        if llm.config.scheduler_config.async_scheduling:
+            print(f"where a decode step goes, {label}: not split (steps overlap)")
+            continue
+        parts = decode_breakdown(llm, prompt, args.output_tokens)
+        print("\n".join(breakdown_lines(label, parts)))
+
+
 def bench_latency(args: argparse.Namespace) -> None:
     from stepscope.engine.entrypoints.llm import LLM
     from stepscope.engine.models.loader import load_config, resolve_model
     from stepscope.engine.sampling_params import SamplingParams
 
     quantizations = [None if q == "none" else q for q in args.quantization.split(",")]
+    if args.breakdown and args.executor != "uni":
+        raise SystemExit("--breakdown times the parts in this process: it needs --executor uni")
     settings = list(
         itertools.product(quantizations, args.dtype.split(","), args.async_scheduling.split(","))
     )
@@ -125,5 +139,7 @@ def bench_latency(args: argparse.Namespace) -> None:
     for label in labels[1:]:
         ratio = statistics.median(tpot[label]) / statistics.median(tpot[base])
         print(f"ratio ms/token {label} / {base}: {ratio:.2f}x")
+    if args.breakdown:
+        _print_breakdowns(args, engines, vocab)
     for llm in engines.values():
         llm.shutdown()

@@ -222,6 +222,12 @@ def _add_latency(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", help="e.g. bfloat16,float32")
     p.add_argument("--async-scheduling", default="off", help="off, on, or off,on")
     p.add_argument("--executor", default="uni", choices=["uni", "mp"])
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="then time each part of a decode step around its call (engine core step, input "
+        "preparation, forward, LM head, sampling) and what the front end adds",
+    )
     p.set_defaults(func=_bench_latency)
 
 
