@@ -8,6 +8,10 @@ positions with an online softmax accumulated in float32. The grid is an upper bo
 of query tiles (num_tokens // BLOCK_Q + num_seqs, as in vLLM's unified attention); each program
 finds its sequence by a binary search over query_start_loc, so the launcher never syncs with the
 device.
+
+With a sliding window of W keys, a query at position p sees keys p - W + 1 .. p: a tile starts
+at its first query's first key, so the blocks wholly before it are never read (the KV manager
+may have freed them and left a null block id in the table).
 """
 
 import torch
@@ -16,7 +20,9 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+def paged_attention_ref(
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None
+):
     """`paged_attention` (same arguments and shapes) in plain PyTorch: causal attention over the
     paged cache, one sequence at a time, in float32."""
     num_heads = q.shape[1]
@@ -39,7 +45,10 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_
         scores = qi @ k.transpose(1, 2) * scale  # [num_heads, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = k_pos[None, None, :] > q_pos[None, :, None]
+        if sliding_window:
+            hidden |= k_pos[None, None, :] <= q_pos[None, :, None] - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         out[q_start:q_end] = (scores.softmax(dim=-1) @ v).transpose(0, 1).to(q.dtype)
     return out
 
@@ -78,6 +87,7 @@ def _paged_attention_kernel(
     num_seqs,
     block_size,
     head_dim,
+    window,  # keys a query sees, its own included; 0: all
     stride_ot,
     stride_oh,
     stride_od,
@@ -135,11 +145,13 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Keys past the last query row of this tile are masked for every row: skip them.
+    # Keys past the last query row of this tile are masked for every row: skip them; and with a
+    # window, those before its first row's first key.
     num_keys = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    first_key = tl.where(window > 0, tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0), 0)
     # A while loop, not range(): Triton 3.5.1's interpreter cannot take a runtime loop bound
     # under numpy >= 2.4 (triton-lang/triton#9171).
-    start_n = 0
+    start_n = first_key
     while start_n < num_keys:
         k_pos = start_n + offs_n
         k_mask = k_pos < num_keys
@@ -173,6 +185,7 @@ def _paged_attention_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE_N]
         causal = (k_pos[None, :] <= q_abs_pos[:, None]) & k_mask[None, :]
+        causal &= (window == 0) | (k_pos[None, :] > q_abs_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -203,8 +216,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new query tokens
     scale: float,
+    sliding_window: int | None = None,  # keys a query sees, its own included; None: all
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a mixed prefill+decode batch over the paged KV cache."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
@@ -242,6 +258,7 @@ def paged_attention(
         num_seqs,
         block_size,
         head_dim,
+        sliding_window or 0,
         *out.stride(),
         *q.stride(),
         *k_cache.stride(),

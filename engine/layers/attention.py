@@ -10,6 +10,11 @@ rotary, SiLU-and-mul, engine/layers/ops.py) as `ops`.
 - `triton`: the kernels in stepscope.kernels (compiled on CUDA, interpreted on CPU), the CUDA
   default.
 
+Every backend takes a sliding window per call (`forward(..., sliding_window=W)`: a query at
+position p sees keys p - W + 1 .. p, as transformers' sliding mask): the same metadata serves the
+layers with a window and those without. With a window, none reads the blocks wholly before the
+first key its queries see: the KV manager may have freed them and left a null block id there.
+
 The default is picked here, in the worker (`resolve_attention_backend`), not in the config: only
 the process that runs the forward builds and loads the C kernels.
 """
@@ -46,11 +51,12 @@ class PaddedGroup:
     q_index: torch.Tensor | None  # [B, Qmax] flat row of each padded query; None: one per row
     rows: slice  # the flat rows this group's requests occupy (contiguous, decodes first)
     q_valid: torch.Tensor | None  # [B, Qmax] bool; None when every query is real
-    kv_blocks: torch.Tensor  # [B * max_blocks] block ids to gather (pads point to block 0)
+    kv_blocks: torch.Tensor  # [B * max_blocks] block ids to gather (a row padded with its last)
     max_blocks: int
     # [B, 1, Qmax, max_blocks * block_size] bool, True where attended; None for a group of
     # whole prompts (no earlier context), which attends its own fresh keys causally, and for
-    # a lone prompt chunk after cached context (context_len > 0).
+    # a lone prompt chunk after cached context (context_len > 0). With a sliding window, whole
+    # prompts longer than it have one: [B, 1, Qmax, Qmax] over their own keys.
     mask: torch.Tensor | None
     # A lone prompt chunk's cached context: its first context_len keys, read through kv_blocks
     # and attended without a mask; its own keys attend causally (two calls, merged).
@@ -69,6 +75,22 @@ class AttentionMetadata:
     # The cpu backend's prefill kernel: (request, its first row, its end row, its context_len)
     # for each request after the decodes.
     prefills: list[tuple[int, int, int, int]] = field(default_factory=list)
+    seqs: list[SeqInfo] = field(default_factory=list)
+    # The torch backend's groups for a sliding window, by window: built at its first layer.
+    windowed_groups: dict[int, list[PaddedGroup]] = field(default_factory=dict)
+
+
+def _host_tables(seqs: list[SeqInfo]) -> tuple[torch.Tensor, torch.Tensor]:
+    """query_start_loc [num_seqs + 1] and block_tables [num_seqs, max_blocks], int32, on the
+    host (a row's tail past its blocks is 0)."""
+    q_lens = torch.tensor([s.query_len for s in seqs], dtype=torch.int32)
+    query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+    max_blocks = max(len(s.block_ids) for s in seqs)
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+    return query_start_loc, block_tables
 
 
 def _is_fresh_prompt(s: SeqInfo) -> bool:
@@ -93,13 +115,7 @@ class AttentionBackend(ABC):
         self.device = device
 
     def build_metadata(self, seqs: list[SeqInfo], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        q_lens = torch.tensor([s.query_len for s in seqs], dtype=torch.int32)
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        query_start_loc, block_tables = _host_tables(seqs)
         seq_lens = torch.tensor([s.seq_len for s in seqs], dtype=torch.int32)
         num_decodes = 0  # the leading rows of one query token each
         while num_decodes < len(seqs) and seqs[num_decodes].query_len == 1:
@@ -114,9 +130,12 @@ class AttentionBackend(ABC):
             groups=groups,
             num_decodes=num_decodes,
             max_decode_len=max((s.seq_len for s in seqs[:num_decodes]), default=0),
+            seqs=seqs,
         )
 
-    def _build_groups(self, seqs, num_decodes, query_start_loc, block_tables) -> list[PaddedGroup]:
+    def _build_groups(
+        self, seqs, num_decodes, query_start_loc, block_tables, window=None
+    ) -> list[PaddedGroup]:
         """The prefills a backend attends as padded groups (see the torch backend); none here."""
         return []
 
@@ -130,8 +149,10 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # keys a query sees, its own included; None: all
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k and v at meta.slot_mapping, then attend causally over each request's context."""
+        """Write k and v at meta.slot_mapping, then attend causally over each request's context
+        (with a window, over its last sliding_window keys)."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -178,12 +199,15 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes: int,
         query_start_loc: torch.Tensor,
         block_tables: torch.Tensor,
+        window: int | None = None,
     ) -> list[PaddedGroup]:
+        """The groups of a step, for the layers with a sliding `window` or (None) without."""
         if any(s.query_len == 1 for s in seqs[num_decodes:]):
             raise ValueError("decode requests must come before prefills in the batch")
         groups = []
         on_cpu = self.device.type == "cpu"
-        split_chunks = self.SPLIT_CHUNKS and on_cpu
+        # A window masks the cached context too: the split's unmasked half would not hold.
+        split_chunks = self.SPLIT_CHUNKS and on_cpu and window is None
         prompts_alone = self.FRESH_PROMPTS_ALONE_ON_CPU and on_cpu
         kinds = ((0, num_decodes), (num_decodes, len(seqs)))
         for kind in kinds[1:] if self.DECODES_IN_KERNEL else kinds:
@@ -193,11 +217,26 @@ class TorchAttentionBackend(AttentionBackend):
                     if self.CAUSAL_PROMPTS and _is_fresh_prompt(rows[0]):
                         bounds = [(i, i + 1) for i in range(a, b)] if prompts_alone else [(a, b)]
                         for lo, hi in bounds:
-                            groups.append(self._fresh_group(lo, hi, seqs, query_start_loc))
+                            groups.append(self._fresh_group(lo, hi, seqs, query_start_loc, window))
                     elif split_chunks and b - a == 1 and 1 < rows[0].query_len < rows[0].seq_len:
                         groups.append(self._chunk_group(a, seqs, query_start_loc, block_tables))
                     else:
-                        groups.append(self._padded_group(a, b, seqs, query_start_loc, block_tables))
+                        groups.append(
+                            self._padded_group(a, b, seqs, query_start_loc, block_tables, window)
+                        )
+        return groups
+
+    def _groups(self, meta: AttentionMetadata, window: int | None) -> list[PaddedGroup]:
+        """meta.groups, or where a window hides some key from some query, the window's groups
+        (built at the first layer that asks, then kept in meta)."""
+        if window is None or all(s.seq_len <= window for s in meta.seqs):
+            return meta.groups
+        groups = meta.windowed_groups.get(window)
+        if groups is None:
+            query_start_loc, block_tables = _host_tables(meta.seqs)
+            groups = meta.windowed_groups[window] = self._build_groups(
+                meta.seqs, meta.num_decodes, query_start_loc, block_tables, window
+            )
         return groups
 
     @staticmethod
@@ -239,22 +278,34 @@ class TorchAttentionBackend(AttentionBackend):
         seqs: list[SeqInfo],
         query_start_loc: torch.Tensor,
         block_tables: torch.Tensor,
+        window: int | None = None,
     ) -> PaddedGroup:
         bs = self.block_size
         group = seqs[first:last]
         q_lens = torch.tensor([s.query_len for s in group])
         seq_lens = torch.tensor([s.seq_len for s in group])
         q_max = int(q_lens.max())
-        max_blocks = max(-(-s.seq_len // bs) for s in group)
-        key_pos = torch.arange(max_blocks * bs)
+        # With a window, each request's gather starts at the block of its first query's first
+        # key: the blocks before it are never read (the manager may have freed them).
+        skip = torch.zeros(len(group), dtype=torch.long)
+        if window is not None:
+            skip = (seq_lens - q_lens - window + 1).clamp(min=0) // bs
+        blocks = -(-seq_lens // bs)  # each request's blocks, read or not
+        max_blocks = int((blocks - skip).max())
+        # A shorter request's row is padded with its own last block (read, masked): never the
+        # null block, nor another request's.
+        columns = (skip[:, None] + torch.arange(max_blocks)).clamp(max=(blocks - 1)[:, None])
+        kv_blocks = block_tables[first:last].long().gather(1, columns)
+        key_pos = (skip * bs)[:, None] + torch.arange(max_blocks * bs)  # [B, keys] in request
         j = torch.arange(q_max)
         q_valid = j[None, :] < q_lens[:, None]
         # Query j of a request sits at absolute position seq_len - q_len + j (causal bound).
         q_pos = (seq_lens - q_lens)[:, None] + j[None, :]
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]
+        mask = key_pos[:, None, :] <= q_pos[:, :, None]
+        if window is not None:
+            mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
         mask[~q_valid] = False
         mask[..., 0] |= ~q_valid  # padded queries attend one key: no all-masked rows
-        kv_blocks = block_tables[first:last, :max_blocks].long()
         first_row, last_row = int(query_start_loc[first]), int(query_start_loc[last])
         q_index = None
         if q_max > 1:
@@ -270,15 +321,25 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def _fresh_group(
-        self, first: int, last: int, seqs: list[SeqInfo], query_start_loc: torch.Tensor
+        self,
+        first: int,
+        last: int,
+        seqs: list[SeqInfo],
+        query_start_loc: torch.Tensor,
+        window: int | None = None,
     ) -> PaddedGroup:
         """Whole prompts: every key is one of this step's own tokens, so nothing is read back
-        from the cache, and a causal SDPA needs no mask. Padding goes at the end, where no real
-        query looks (query j attends keys 0..j)."""
+        from the cache, and a causal SDPA needs no mask (unless a window hides keys: then one
+        over their own keys). Padding goes at the end, where no real query looks (query j
+        attends keys 0..j)."""
         group = seqs[first:last]
         q_lens = torch.tensor([s.query_len for s in group])
         j = torch.arange(int(q_lens.max()))
         q_valid = j[None, :] < q_lens[:, None]
+        mask = None
+        if window is not None and int(q_lens.max()) > window:
+            mask = (j[None, :] <= j[:, None]) & (j[None, :] > j[:, None] - window)
+            mask = mask[None, None].expand(len(group), 1, -1, -1).to(self.device)
         q_index = torch.where(q_valid, query_start_loc[first:last, None] + j[None, :], 0)
         first_row, last_row = int(query_start_loc[first]), int(query_start_loc[last])
         dev = self.device
@@ -288,7 +349,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_valid=q_valid.to(dev),
             kv_blocks=torch.empty(0, dtype=torch.long, device=dev),
             max_blocks=0,
-            mask=None,
+            mask=mask,
         )
 
     def _chunk_group(
@@ -323,27 +384,27 @@ class TorchAttentionBackend(AttentionBackend):
         # [B, max_blocks * block_size, KVH, D] -> [B, KVH, keys, D]
         return out.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        self._attend_groups(q, k, v, k_cache, v_cache, meta, scale, out)
+        self._attend_groups(q, k, v, k_cache, v_cache, meta, scale, out, sliding_window)
         return out
 
-    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
-        for g in meta.groups:
+    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out, window) -> None:
+        for g in self._groups(meta, window):
             if g.context_len:
                 out[g.rows] = self._attend_chunk(q, k, v, k_cache, v_cache, g, scale)
                 continue
-            if g.mask is None:  # whole prompts: their own keys, causally
+            if g.max_blocks == 0:  # whole prompts: their own keys, causally (or a window's mask)
                 alone = g.q_index.shape[0] == 1  # one prompt: its rows as they lie, no padding
                 if alone:
                     qg, kg, vg = (_one_request(t, g.rows) for t in (q, k, v))
                 else:
                     qg, kg, vg = (t[g.q_index].transpose(1, 2) for t in (q, k, v))
                 og = F.scaled_dot_product_attention(
-                    qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True
+                    qg, kg, vg, g.mask, is_causal=g.mask is None, scale=scale, enable_gqa=True
                 )
                 out[g.rows] = og[0].transpose(0, 1) if alone else og.transpose(1, 2)[g.q_valid]
                 continue
@@ -413,10 +474,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         ]
         return meta
 
-    def _build_groups(self, seqs, num_decodes, query_start_loc, block_tables) -> list[PaddedGroup]:
+    def _build_groups(
+        self, seqs, num_decodes, query_start_loc, block_tables, window=None
+    ) -> list[PaddedGroup]:
         return []  # no padded groups: every request goes to a kernel
 
-    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
+    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out, window) -> None:
         nd = meta.num_decodes
         if nd:
             self._decode(
@@ -428,6 +491,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 scale,
                 max_len=meta.max_decode_len,
                 out=out[:nd],
+                sliding_window=window,
             )
         for i, first, last, context_len in meta.prefills:
             self._prefill(
@@ -438,6 +502,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 context_len,
                 scale,
                 out=out[first:last],
+                sliding_window=window,
             )
 
 
@@ -458,10 +523,17 @@ class TritonAttentionBackend(AttentionBackend):
         self._attend = paged_attention
         self.ops = TritonForwardOps()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
         self._write(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            sliding_window=sliding_window,
         )
 
 

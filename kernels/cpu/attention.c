@@ -9,6 +9,11 @@
  * heads), then the softmax over each head's whole row (one long loop, which vectorizes), then
  * the values weighted by it. Sums are in float32.
  *
+ * A sliding window of W keys (window > 0; 0: none): the query, at position seq_len - 1, sees
+ * keys seq_len - W .. seq_len - 1. The blocks wholly before them are never read (the KV
+ * manager may have freed them and left a null block id in the table), nor the keys before
+ * them in the first block read.
+ *
  * Compiled with -ffp-contract=fast (multiply-adds fused) and -fno-trapping-math (so that the
  * exponential's floor vectorizes); see build.py.
  *
@@ -341,7 +346,7 @@ struct decode {
     float scale;
     void *out;
     float *scratch;
-    int64_t max_len, num_threads;
+    int64_t window, max_len, num_threads; /* window: keys a query sees, itself included; 0: all */
 };
 
 /* One thread's part of a call: the requests the OpenMP loop hands it, each in two passes over
@@ -368,10 +373,12 @@ static inline ALWAYS_INLINE void attend(const struct decode *a, enum dtype dt, i
             qs[i] = load_as(dt, a->q, seq * num_heads * hd + i);
             acc[i] = 0.0f;
         }
-        for (int64_t start = 0; start < len; start += block_size) {
+        /* With a window, keys before lo are never read: their blocks may have been freed. */
+        const int64_t lo = a->window > 0 && len > a->window ? len - a->window : 0;
+        for (int64_t start = lo / block_size * block_size; start < len; start += block_size) {
             const int64_t n = len - start < block_size ? len - start : block_size;
-            int64_t t0 = 0; /* keys scored by bfloat16 dot products, 16 at a time */
-            if (dt == BF16 && hd == 64 && HAVE_AVX512_BF16) {
+            int64_t t0 = lo > start ? lo - start : 0; /* the keys of this block it skips */
+            if (dt == BF16 && hd == 64 && HAVE_AVX512_BF16) { /* 16 keys at a time */
                 const uint16_t *keys = (const uint16_t *)block_in_pool(
                     dt, a->k_cache, table, start, len, block_size, key_stride, spread);
                 const uint16_t *q = (const uint16_t *)a->q + seq * num_heads * hd;
@@ -385,19 +392,22 @@ static inline ALWAYS_INLINE void attend(const struct decode *a, enum dtype dt, i
             scores_block(block + t0 * key_stride, n - t0, key_stride, num_kv_heads, group, qs,
                          scores + start + t0, max_len, scale, hd);
         }
-        for (int64_t h = 0; h < num_heads; h++) softmax_row(scores + h * max_len, len);
-        for (int64_t start = 0; start < len; start += block_size) {
+        for (int64_t h = 0; h < num_heads; h++) softmax_row(scores + h * max_len + lo, len - lo);
+        for (int64_t start = lo / block_size * block_size; start < len; start += block_size) {
             const int64_t n = len - start < block_size ? len - start : block_size;
+            const int64_t skip = lo > start ? lo - start : 0;
+            const float *p = scores + start + skip;
             if (dt == BF16 && HAVE_AVX512 && hd == 64) { /* values widened in registers */
-                values_block_d64(1, block_in_pool(dt, a->v_cache, table, start, len, block_size,
-                                                  key_stride, spread),
-                                 n, key_stride, num_kv_heads, group, scores + start, max_len, acc);
+                const uint16_t *block = (const uint16_t *)block_in_pool(
+                    dt, a->v_cache, table, start, len, block_size, key_stride, spread);
+                values_block_d64(1, block + skip * key_stride, n - skip, key_stride, num_kv_heads,
+                                 group, p, max_len, acc);
                 continue;
             }
             const float *block = block_at(dt, a->v_cache, table, start, n, len, block_size,
                                           key_stride, wide, spread);
-            values_block(block, n, key_stride, num_kv_heads, group, scores + start, max_len, acc,
-                         hd);
+            values_block(block + skip * key_stride, n - skip, key_stride, num_kv_heads, group, p,
+                         max_len, acc, hd);
         }
         for (int64_t i = 0; i < num_heads * hd; i++)
             store_as(dt, a->out, seq * num_heads * hd + i, acc[i]);
@@ -413,7 +423,7 @@ static void attend_bf16_d128(const struct decode *a) { attend(a, BF16, 128); }
 static void attend_bf16_any(const struct decode *a) { attend(a, BF16, a->head_dim); }
 
 static int decode_attention(const struct decode *a, enum dtype dt) {
-    if (a->num_heads % a->num_kv_heads || a->num_threads < 1) return 1;
+    if (a->num_heads % a->num_kv_heads || a->num_threads < 1 || a->window < 0) return 1;
     for (int64_t s = 0; s < a->num_seqs; s++)
         if (a->seq_lens[s] < 1 || a->seq_lens[s] > a->max_len) return 2;
     void (*attend_part)(const struct decode *) =
@@ -429,13 +439,13 @@ int decode_attention_f32(const float *q, const float *k_cache, const float *v_ca
                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, float *out,
-                         float *scratch, int64_t max_len, int64_t num_threads) {
+                         float *scratch, int64_t window, int64_t max_len, int64_t num_threads) {
     const struct decode a = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables,
         .bt_stride = bt_stride, .seq_lens = seq_lens, .num_seqs = num_seqs,
         .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .block_size = block_size, .scale = scale, .out = out, .scratch = scratch,
-        .max_len = max_len, .num_threads = num_threads};
+        .window = window, .max_len = max_len, .num_threads = num_threads};
     return decode_attention(&a, F32);
 }
 
@@ -443,13 +453,13 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint
                           const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, uint16_t *out,
-                          float *scratch, int64_t max_len, int64_t num_threads) {
+                          float *scratch, int64_t window, int64_t max_len, int64_t num_threads) {
     const struct decode a = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables,
         .bt_stride = bt_stride, .seq_lens = seq_lens, .num_seqs = num_seqs,
         .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .block_size = block_size, .scale = scale, .out = out, .scratch = scratch,
-        .max_len = max_len, .num_threads = num_threads};
+        .window = window, .max_len = max_len, .num_threads = num_threads};
     return decode_attention(&a, BF16);
 }
 

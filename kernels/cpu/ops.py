@@ -59,10 +59,13 @@ def decode_attention(
     max_len: int | None = None,
     out: torch.Tensor | None = None,
     library: dict | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one query per request over its context, read through its block table
     (the query's own key and value are already in the cache). `max_len` bounds seq_lens
-    (default: their maximum). `library`: another build's kernels (build.load_library)."""
+    (default: their maximum). `library`: another build's kernels (build.load_library).
+    `sliding_window` W: each query sees only its last W keys, its own included; the table's
+    blocks wholly before them are never read."""
     _check(q, k_cache, v_cache, dtype=q.dtype)
     _check(block_tables, seq_lens, dtype=torch.int32)
     num_seqs, num_heads, head_dim = q.shape
@@ -88,22 +91,36 @@ def decode_attention(
         block_tables=block_tables.data_ptr(), bt_stride=block_tables.stride(0),
         seq_lens=seq_lens.data_ptr(), num_seqs=num_seqs, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
-        out=out.data_ptr(), scratch=scratch.data_ptr(), max_len=max_len, num_threads=threads,
+        out=out.data_ptr(), scratch=scratch.data_ptr(), window=_window(sliding_window),
+        max_len=max_len, num_threads=threads,
     )  # fmt: skip
     if status:
         raise ValueError("every seq_len must be between 1 and max_len")
     return out
 
 
-def decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float):
-    """The same attention in torch, request by request, in float32."""
+def _window(sliding_window: int | None) -> int:
+    """The kernels' window argument: 0 for none."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    return sliding_window
+
+
+def decode_attention_reference(
+    q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None = None
+):
+    """The same attention in torch, request by request, in float32 (with a window, over the
+    query's last sliding_window keys)."""
     num_heads, block_size = q.shape[1], k_cache.shape[1]
     group = num_heads // k_cache.shape[2]
     out = torch.empty_like(q)
     for i, length in enumerate(seq_lens.tolist()):
+        lo = max(0, length - sliding_window) if sliding_window else 0
         blocks = block_tables[i, : -(-length // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, dim=1)
-        v = v_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, dim=1)
+        k = k_cache[blocks].flatten(0, 1)[lo:length].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[lo:length].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale
         out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
@@ -119,10 +136,13 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     library: dict | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_queries, num_heads, head_dim]
     """Causal attention of one request's chunk of queries over its context and its own keys,
     all read through its block table (the chunk's keys and values are already in the cache):
-    query i sits at position context_len + i."""
+    query i sits at position context_len + i. `sliding_window` W: query i sees keys from
+    context_len + i - W + 1 on; the table's blocks wholly before the first query's are never
+    read."""
     _check(q, k_cache, v_cache, dtype=q.dtype)
     _check(block_table, dtype=torch.int32)
     num_queries, num_heads, head_dim = q.shape
@@ -134,11 +154,13 @@ def prefill_attention(
     if block_table.dim() != 1 or block_table.numel() * block_size < keys:
         raise ValueError(f"the block table must hold {keys} keys, has {block_table.numel()} "
                          f"blocks of {block_size}")  # fmt: skip
+    window = _window(sliding_window)
+    base = context_len - window + 1 if window and context_len >= window else 0  # as the kernel
     kernels = library or load()
     threads = torch.get_num_threads()
     entries = ctypes.c_int64()
     kernels["prefill_attention_scratch"].call(
-        keys=keys, num_kv_heads=num_kv_heads, head_dim=head_dim, num_threads=threads,
+        keys=keys - base, num_kv_heads=num_kv_heads, head_dim=head_dim, num_threads=threads,
         entries=ctypes.addressof(entries),
     )  # fmt: skip
     scratch = torch.empty(entries.value, dtype=torch.float32)
@@ -152,7 +174,7 @@ def prefill_attention(
         block_table=block_table.data_ptr(), context_len=context_len, num_queries=num_queries,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         block_size=block_size, scale=scale, out=out.data_ptr(), scratch=scratch.data_ptr(),
-        num_threads=threads,
+        window=window, num_threads=threads,
     )  # fmt: skip
     if status:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads, "
@@ -160,9 +182,12 @@ def prefill_attention(
     return out
 
 
-def prefill_attention_reference(q, k_cache, v_cache, block_table, context_len: int, scale: float):
+def prefill_attention_reference(
+    q, k_cache, v_cache, block_table, context_len: int, scale: float, sliding_window=None
+):
     """The same attention in torch's SDPA, in float32, with an explicit causal mask aligned at
-    the bottom right (query i sees keys 0 .. context_len + i)."""
+    the bottom right (query i sees keys 0 .. context_len + i; with a window, from
+    context_len + i - sliding_window + 1 on)."""
     import torch.nn.functional as F
 
     num_queries, num_heads, _ = q.shape
@@ -172,7 +197,10 @@ def prefill_attention_reference(q, k_cache, v_cache, block_table, context_len: i
     k, v = (
         c[blocks].flatten(0, 1)[:keys].float().transpose(0, 1)[None] for c in (k_cache, v_cache)
     )
-    seen = torch.arange(keys)[None, :] <= context_len + torch.arange(num_queries)[:, None]
+    key_pos, q_pos = torch.arange(keys)[None, :], context_len + torch.arange(num_queries)[:, None]
+    seen = key_pos <= q_pos
+    if sliding_window:
+        seen &= key_pos > q_pos - sliding_window
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], k, v, attn_mask=seen, scale=scale,
         enable_gqa=num_heads != num_kv_heads,

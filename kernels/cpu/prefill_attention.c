@@ -19,10 +19,17 @@
  *      registers, each value row read once for the 4.
  * Sums are in float32; compiled as attention.c (-ffp-contract=fast, -fno-trapping-math).
  *
+ * A sliding window of W keys (window > 0; 0: none): query i sees keys from its position - W + 1
+ * on. Only the keys from the first query's first one on are copied out (base, below): the
+ * blocks before them are never read (the KV manager may have freed them and left a null block
+ * id in the table). An item scores keys from its first query's first one on (tile-aligned),
+ * and each row's weights before its own first key are zero.
+ *
  * Layouts (contiguous, row-major):
  *   q, out   [num_queries, num_heads, head_dim]
  *   k_cache  [num_blocks, block_size, num_kv_heads, head_dim]   (v_cache the same)
- *   block_table [>= blocks of context_len + num_queries keys] int32
+ *   block_table [>= blocks of context_len + num_queries keys] int32 (with a window, entries
+ *                before the one holding key base are not read)
  *   scratch  float32, prefill_attention_scratch(...) entries (see below)
  */
 #include <omp.h>
@@ -36,7 +43,8 @@
 static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 /* Scratch entries a call needs: the transposed keys and the values of every KV head, then per
- * thread one item's scores, its query rows and its sums. */
+ * thread one item's scores, its query rows and its sums; `keys` counts those the call copies
+ * (all of context and chunk, or with a window those from base on). */
 static inline int64_t scratch_entries(int64_t keys, int64_t num_kv_heads, int64_t head_dim,
                                       int64_t num_threads) {
     const int64_t padded = round_up(keys, TILE);
@@ -128,14 +136,17 @@ struct prefill {
     float scale;
     void *out;
     float *scratch;
-    int64_t num_threads;
+    int64_t window, num_threads; /* window: keys a query sees, itself included; 0: all */
 };
 
 static inline ALWAYS_INLINE void prefill_part(const struct prefill *a, enum dtype dt,
                                               int64_t hd) {
     const int64_t num_heads = a->num_heads, num_kv_heads = a->num_kv_heads;
     const int64_t group = num_heads / num_kv_heads, key_stride = num_kv_heads * hd;
-    const int64_t keys = a->context_len + a->num_queries, padded = round_up(keys, TILE);
+    const int64_t window = a->window, context_len = a->context_len;
+    /* The first key any query sees; key t of the scratch is key base + t of the request. */
+    const int64_t base = window > 0 && context_len >= window ? context_len - window + 1 : 0;
+    const int64_t keys = context_len + a->num_queries - base, padded = round_up(keys, TILE);
     float *kt = a->scratch;                              /* [num_kv_heads][hd][padded] */
     float *vs = kt + num_kv_heads * hd * padded;         /* [num_kv_heads][padded][hd] */
     float *mine = vs + num_kv_heads * hd * padded
@@ -145,9 +156,9 @@ static inline ALWAYS_INLINE void prefill_part(const struct prefill *a, enum dtyp
     /* 1. Keys transposed and values, out of their blocks; the padding keys zero. */
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < padded; t++) {
-        const int64_t at = t < keys ? ((int64_t)a->block_table[t / a->block_size] * a->block_size
-                                       + t % a->block_size) * key_stride
-                                    : -1;
+        const int64_t pos = base + t, bs = a->block_size;
+        const int64_t at =
+            t < keys ? ((int64_t)a->block_table[pos / bs] * bs + pos % bs) * key_stride : -1;
         for (int64_t g = 0; g < num_kv_heads; g++)
             for (int64_t d = 0; d < hd; d++) {
                 const int64_t i = at + g * hd + d;
@@ -164,7 +175,12 @@ static inline ALWAYS_INLINE void prefill_part(const struct prefill *a, enum dtyp
         const int64_t i0 = (blocks - 1 - item / num_heads) * ROWS, h = item % num_heads;
         const int64_t g = h / group;
         const int64_t m = a->num_queries - i0 < ROWS ? a->num_queries - i0 : ROWS;
-        const int64_t last = a->context_len + i0 + m; /* keys the item's last query sees */
+        const int64_t last = context_len + i0 + m - base; /* keys its last query sees, + 1 */
+        /* The item's first query's first key, its tile's start: no key before is scored. */
+        const int64_t from_item = window > 0 && context_len + i0 - window + 1 > base
+                                      ? context_len + i0 - window + 1 - base
+                                      : 0;
+        const int64_t first = from_item / TILE * TILE;
         for (int64_t r = 0; r < ROWS; r++)
             for (int64_t d = 0; d < hd; d++)
                 qs[r * hd + d] =
@@ -172,19 +188,22 @@ static inline ALWAYS_INLINE void prefill_part(const struct prefill *a, enum dtyp
                           : 0.0f;
         const float *ktg = kt + g * hd * padded;
         for (int64_t r0 = 0; r0 < m; r0 += 8)
-            for (int64_t j0 = 0; j0 < last; j0 += TILE)
+            for (int64_t j0 = first; j0 < last; j0 += TILE)
                 scores_tile(qs + r0 * hd, ktg + j0, padded, s + r0 * padded + j0, padded, hd);
-        for (int64_t r = 0; r < m; r++) { /* query r sees keys [0, seen) */
-            const int64_t seen = a->context_len + i0 + r + 1;
+        for (int64_t r = 0; r < m; r++) { /* query r sees keys [from, seen) */
+            const int64_t seen = context_len + i0 + r + 1 - base;
+            const int64_t from = window > 0 && seen > window ? seen - window : 0;
             float *row = s + r * padded;
-            softmax_row(row, seen);
+            softmax_row(row + from, seen - from);
+            for (int64_t j = first; j < from; j++) row[j] = 0.0f;
             for (int64_t j = seen; j < last; j++) row[j] = 0.0f;
         }
         for (int64_t r = m; r < round_up(m, 4); r++) /* rows padding the last group of 4 */
-            for (int64_t j = 0; j < last; j++) s[r * padded + j] = 0.0f;
+            for (int64_t j = first; j < last; j++) s[r * padded + j] = 0.0f;
         for (int64_t r0 = 0; r0 < m; r0 += 4) {
-            const int64_t n = a->context_len + i0 + (r0 + 4 < m ? r0 + 4 : m);
-            values_rows4(s + r0 * padded, padded, vs + g * padded * hd, n, acc, hd);
+            const int64_t n = context_len + i0 + (r0 + 4 < m ? r0 + 4 : m) - base;
+            values_rows4(s + r0 * padded + first, padded, vs + (g * padded + first) * hd,
+                         n - first, acc, hd);
             for (int64_t r = r0; r < r0 + 4 && r < m; r++)
                 for (int64_t d = 0; d < hd; d++)
                     store_as(dt, a->out, ((i0 + r) * num_heads + h) * hd + d,
@@ -200,7 +219,7 @@ static void prefill_bf16_any(const struct prefill *a) { prefill_part(a, BF16, a-
 
 static int prefill_attention(const struct prefill *a, enum dtype dt) {
     if (a->num_heads % a->num_kv_heads || a->num_threads < 1 || a->num_queries < 1
-        || a->context_len < 0 || a->block_size < 1)
+        || a->context_len < 0 || a->block_size < 1 || a->window < 0)
         return 1;
     void (*part)(const struct prefill *) =
         a->head_dim == 64 ? (dt == BF16 ? prefill_bf16_d64 : prefill_f32_d64)
@@ -220,12 +239,13 @@ int prefill_attention_f32(const float *q, const float *k_cache, const float *v_c
                           const int32_t *block_table, int64_t context_len, int64_t num_queries,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, float scale, float *out, float *scratch,
-                          int64_t num_threads) {
+                          int64_t window, int64_t num_threads) {
     const struct prefill a = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_table = block_table,
         .context_len = context_len, .num_queries = num_queries, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
-        .scale = scale, .out = out, .scratch = scratch, .num_threads = num_threads};
+        .scale = scale, .out = out, .scratch = scratch, .window = window,
+        .num_threads = num_threads};
     return prefill_attention(&a, F32);
 }
 
@@ -233,11 +253,12 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
                            const int32_t *block_table, int64_t context_len, int64_t num_queries,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, uint16_t *out, float *scratch,
-                           int64_t num_threads) {
+                           int64_t window, int64_t num_threads) {
     const struct prefill a = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_table = block_table,
         .context_len = context_len, .num_queries = num_queries, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
-        .scale = scale, .out = out, .scratch = scratch, .num_threads = num_threads};
+        .scale = scale, .out = out, .scratch = scratch, .window = window,
+        .num_threads = num_threads};
     return prefill_attention(&a, BF16);
 }

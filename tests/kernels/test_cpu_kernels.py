@@ -154,6 +154,49 @@ def test_prefill_attention_portable_build_agrees_and_bad_arguments_are_refused(t
         ops.prefill_attention(torch.randn(50, 8, 64), k_cache, v_cache, table[0], 80, 0.125)
 
 
+def _null_blocks_before(table, first_keys, block_size, k_cache, v_cache):
+    """Each request's blocks wholly before its first key pointed at a block of NaN, as a
+    freed block behind a sliding window may be: a kernel that read it would give NaN."""
+    k_cache[-1] = v_cache[-1] = float("nan")  # one of _paged_context's 7 spare blocks
+    table = table.clone()
+    for i, first in enumerate(first_keys):
+        table[i, : first // block_size] = k_cache.shape[0] - 1
+    return table
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=["float32", "bfloat16"])
+# 64 runs the AVX-512 routines where the CPU has them (bfloat16 dot products included), 48
+# the portable loops.
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_windowed_attention_skips_the_blocks_before_the_window(dtype, head_dim):
+    window, block_size, lengths = 40, 16, [1, 7, 40, 41, 57, 300]
+    k_cache, v_cache, table, seq_lens = _paged_context(
+        dtype, lengths, block_size, num_kv_heads=2, head_dim=head_dim, shuffle=False
+    )
+    tol = {"atol": 2e-6, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 2e-2}
+    q = torch.randn(len(lengths), 4, head_dim).to(dtype)
+    args = (q, k_cache, v_cache, table, seq_lens, 0.125)
+    want = ops.decode_attention_reference(*args, sliding_window=window)
+    nulled = _null_blocks_before(
+        table, [max(0, n - window) for n in lengths], block_size, k_cache, v_cache
+    )
+    got = ops.decode_attention(q, k_cache, v_cache, nulled, seq_lens, 0.125, sliding_window=window)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # A chunk straddling the window's edge, after a context the window leaves mostly behind.
+    for context_len, num_queries in [(0, 77), (30, 20), (250, 50)]:
+        k_cache, v_cache, table, _ = _paged_context(
+            dtype, [context_len + num_queries], block_size, 2, head_dim, shuffle=False
+        )
+        q = torch.randn(num_queries, 4, head_dim).to(dtype)
+        args = (q, k_cache, v_cache, table[0], context_len, 0.125)
+        want = ops.prefill_attention_reference(*args, sliding_window=window)
+        nulled = _null_blocks_before(
+            table, [max(0, context_len - window + 1)], block_size, k_cache, v_cache
+        )
+        got = ops.prefill_attention(*args[:3], nulled[0], *args[4:], sliding_window=window)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add+norm"])
 def test_rms_norm_matches_transformers_op_for_op(dtype, with_residual):
