@@ -147,6 +147,9 @@ KV_BLOCKS_SHORT = "stepscope.kv_blocks_short"
 # The tokens the step's requests attend to: each scheduled request's KV length after the step
 # (computed tokens, prefix hits included, plus those scheduled now), summed over the step.
 NUM_CONTEXT_TOKENS = "stepscope.num_context_tokens"
+# Blocks each KV cache group holds once the step is scheduled (int array, one per group: one
+# entry for a model whose layers all attend alike; a hybrid model's full-attention group first).
+KV_BLOCKS_BY_GROUP = "stepscope.kv_blocks_by_group"
 
 # ---- worker step span ----------------------------------------------------------------------------
 # The worker process's CPU time over the step (all its threads: the forward runs on several), and

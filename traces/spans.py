@@ -204,6 +204,9 @@ class StepSpan(_Scope):
         context = getattr(stats, "num_context_tokens", None)
         if context is not None:
             attributes[n.NUM_CONTEXT_TOKENS] = context
+        by_group = getattr(stats, "kv_blocks_by_group", ())
+        if by_group:
+            attributes[n.KV_BLOCKS_BY_GROUP] = list(by_group)
         reason = getattr(stats, "waiting_reason", None)
         if reason is not None:
             attributes[n.WAITING_REASON] = reason

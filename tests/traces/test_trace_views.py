@@ -87,7 +87,8 @@ def run_file(tmp_path_factory) -> str:
         links[rid] = sp.request_link(carrier)
 
     _step(0, StepStats(0, 3, 0, 0, 15, 32, 60, 58, 4), dict(PROMPT), links)
-    _step(1, StepStats(1, 2, 1, 2, 0, 32, 58, 57, 0, ("r2",), ("r0",)), {"r0": 1, "r1": 1}, links)
+    second = StepStats(1, 2, 1, 2, 0, 32, 58, 57, 0, ("r2",), ("r0",), kv_blocks_by_group=(5, 2))
+    _step(1, second, {"r0": 1, "r1": 1}, links)
 
     crossing, carrier = cs.send_span(
         n.ENGINE_CORE_TO_API, "EngineCoreOutputs", 80, 3, step=1, request_ids=REQUESTS
@@ -147,6 +148,12 @@ def test_steps_view_has_scheduler_decisions(store):
     assert (first["kv_total_blocks"], first["prefix_hit_tokens"]) == (64, 4)
     assert (second["num_preempted"], second["num_finished"]) == (1, 1)
     assert (first["num_preempted"], first["num_finished"]) == (0, 0)
+
+
+def test_steps_view_has_blocks_held_per_kv_cache_group(store):
+    rows = store.query("SELECT step, kv_blocks_by_group FROM steps ORDER BY step")
+    # Step 0's stats carried no groups (the attribute is left off); step 1's two groups.
+    assert [r["kv_blocks_by_group"] for r in rows] == [None, [5, 2]]
 
 
 def test_step_requests_unnests_served_requests(store):
