@@ -11,7 +11,8 @@ device.
 
 With a sliding window of W keys, a query at position p sees keys p - W + 1 .. p: a tile starts
 at its first query's first key, so the blocks wholly before it are never read (the KV manager
-may have freed them and left a null block id in the table).
+may have freed them and left a null block id in the table). With logit soft-capping (Gemma 2 and
+3's attn_logit_softcapping c), each score becomes c * tanh(score / c) before the softmax.
 """
 
 import torch
@@ -21,7 +22,15 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 def paged_attention_ref(
-    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    sliding_window=None,
+    logits_soft_cap=None,
 ):
     """`paged_attention` (same arguments and shapes) in plain PyTorch: causal attention over the
     paged cache, one sequence at a time, in float32."""
@@ -43,6 +52,8 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         qi = q[q_start:q_end].float().transpose(0, 1)  # [num_heads, q_len, head_dim]
         scores = qi @ k.transpose(1, 2) * scale  # [num_heads, q_len, seq_len]
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         hidden = k_pos[None, None, :] > q_pos[None, :, None]
@@ -88,6 +99,7 @@ def _paged_attention_kernel(
     block_size,
     head_dim,
     window,  # keys a query sees, its own included; 0: all
+    soft_cap,  # scores bounded to soft_cap * tanh(score / soft_cap) where SOFT_CAP
     stride_ot,
     stride_oh,
     stride_od,
@@ -109,6 +121,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,  # key positions per inner iteration
     HEAD_DIM: tl.constexpr,  # head_dim padded to a power of 2
     DOT_IN_FP32: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -184,6 +197,8 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE_N]
+        if SOFT_CAP:  # tanh(x) = 1 - 2 / (e^2x + 1): exact at both ends (e^2x 0 or inf)
+            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
         causal = (k_pos[None, :] <= q_abs_pos[:, None]) & k_mask[None, :]
         causal &= (window == 0) | (k_pos[None, :] > q_abs_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
@@ -217,10 +232,13 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new query tokens
     scale: float,
     sliding_window: int | None = None,  # keys a query sees, its own included; None: all
+    logits_soft_cap: float | None = None,  # scores become c * tanh(score / c); None: as they are
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a mixed prefill+decode batch over the paged KV cache."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
@@ -259,6 +277,7 @@ def paged_attention(
         block_size,
         head_dim,
         sliding_window or 0,
+        logits_soft_cap or 1.0,
         *out.stride(),
         *q.stride(),
         *k_cache.stride(),
@@ -270,5 +289,6 @@ def paged_attention(
         TILE_N=tile_n,
         HEAD_DIM=triton.next_power_of_2(head_dim),
         DOT_IN_FP32=dot_in_fp32,
+        SOFT_CAP=logits_soft_cap is not None,
     )
     return out

@@ -14,6 +14,8 @@ Every backend takes a sliding window per call (`forward(..., sliding_window=W)`:
 position p sees keys p - W + 1 .. p, as transformers' sliding mask): the same metadata serves the
 layers with a window and those without. With a window, none reads the blocks wholly before the
 first key its queries see: the KV manager may have freed them and left a null block id there.
+Each takes attention logit soft-capping too (`logits_soft_cap=c`: scores become
+c * tanh(score / c) before the softmax, Gemma 2 and 3's `attn_logit_softcapping`).
 
 The default is picked here, in the worker (`resolve_attention_backend`), not in the config: only
 the process that runs the forward builds and loads the C kernels.
@@ -30,37 +32,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from stepscope.engine.layers.attention_groups import (
+    PaddedGroup,
+    SeqInfo,
+    chunk_group,
+    fresh_group,
+    host_tables,
+    is_fresh_prompt,
+    padded_group,
+    runs_of_fresh_prompts,
+)
 from stepscope.engine.layers.ops import CpuForwardOps, ForwardOps, TorchForwardOps, TritonForwardOps
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SeqInfo:
-    """One scheduled request as attention needs it."""
-
-    query_len: int  # tokens computed this step
-    seq_len: int  # context length after this step, query included
-    block_ids: list[int]
-
-
-@dataclass(slots=True)
-class PaddedGroup:
-    """Requests of similar shape padded into one batched SDPA call (torch backend)."""
-
-    q_index: torch.Tensor | None  # [B, Qmax] flat row of each padded query; None: one per row
-    rows: slice  # the flat rows this group's requests occupy (contiguous, decodes first)
-    q_valid: torch.Tensor | None  # [B, Qmax] bool; None when every query is real
-    kv_blocks: torch.Tensor  # [B * max_blocks] block ids to gather (a row padded with its last)
-    max_blocks: int
-    # [B, 1, Qmax, max_blocks * block_size] bool, True where attended; None for a group of
-    # whole prompts (no earlier context), which attends its own fresh keys causally, and for
-    # a lone prompt chunk after cached context (context_len > 0). With a sliding window, whole
-    # prompts longer than it have one: [B, 1, Qmax, Qmax] over their own keys.
-    mask: torch.Tensor | None
-    # A lone prompt chunk's cached context: its first context_len keys, read through kv_blocks
-    # and attended without a mask; its own keys attend causally (two calls, merged).
-    context_len: int = 0
 
 
 @dataclass(slots=True)
@@ -76,26 +60,26 @@ class AttentionMetadata:
     # for each request after the decodes.
     prefills: list[tuple[int, int, int, int]] = field(default_factory=list)
     seqs: list[SeqInfo] = field(default_factory=list)
-    # The torch backend's groups for a sliding window, by window: built at its first layer.
-    windowed_groups: dict[int, list[PaddedGroup]] = field(default_factory=dict)
+    # The torch backend's groups for a sliding window and/or soft-capped scores, by (window,
+    # capped): built at the first layer that asks.
+    other_groups: dict[tuple[int | None, bool], list[PaddedGroup]] = field(default_factory=dict)
 
 
-def _host_tables(seqs: list[SeqInfo]) -> tuple[torch.Tensor, torch.Tensor]:
-    """query_start_loc [num_seqs + 1] and block_tables [num_seqs, max_blocks], int32, on the
-    host (a row's tail past its blocks is 0)."""
-    q_lens = torch.tensor([s.query_len for s in seqs], dtype=torch.int32)
-    query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-    max_blocks = max(len(s.block_ids) for s in seqs)
-    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-    for i, s in enumerate(seqs):
-        block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-    return query_start_loc, block_tables
-
-
-def _is_fresh_prompt(s: SeqInfo) -> bool:
-    """A whole prompt in this step: nothing cached before it."""
-    return 1 < s.query_len == s.seq_len
+def _attention(q, k, v, mask, scale: float, soft_cap: float | None) -> torch.Tensor:
+    """SDPA of [B, H, Q, D] queries over [B, KVH, K, D] keys (mask [B, 1, Q, K] bool; None:
+    causal), or with soft-capped scores, cap * tanh(score / cap), which SDPA cannot do: in
+    float32 ops, the scores whole."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
+    scores = q.float() @ k.transpose(-1, -2) * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).to(q.dtype)
 
 
 def _one_request(t: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -115,7 +99,7 @@ class AttentionBackend(ABC):
         self.device = device
 
     def build_metadata(self, seqs: list[SeqInfo], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        query_start_loc, block_tables = _host_tables(seqs)
+        query_start_loc, block_tables = host_tables(seqs)
         seq_lens = torch.tensor([s.seq_len for s in seqs], dtype=torch.int32)
         num_decodes = 0  # the leading rows of one query token each
         while num_decodes < len(seqs) and seqs[num_decodes].query_len == 1:
@@ -134,7 +118,7 @@ class AttentionBackend(ABC):
         )
 
     def _build_groups(
-        self, seqs, num_decodes, query_start_loc, block_tables, window=None
+        self, seqs, num_decodes, query_start_loc, block_tables, window=None, capped=False
     ) -> list[PaddedGroup]:
         """The prefills a backend attends as padded groups (see the torch backend); none here."""
         return []
@@ -150,6 +134,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # keys a query sees, its own included; None: all
+        logits_soft_cap: float | None = None,  # scores become c * tanh(score / c); None: not
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k and v at meta.slot_mapping, then attend causally over each request's context
         (with a window, over its last sliding_window keys)."""
@@ -200,56 +185,50 @@ class TorchAttentionBackend(AttentionBackend):
         query_start_loc: torch.Tensor,
         block_tables: torch.Tensor,
         window: int | None = None,
+        capped: bool = False,
     ) -> list[PaddedGroup]:
-        """The groups of a step, for the layers with a sliding `window` or (None) without."""
+        """The groups of a step, for the layers with a sliding `window` or (None) without, and
+        with soft-capped scores or without."""
         if any(s.query_len == 1 for s in seqs[num_decodes:]):
             raise ValueError("decode requests must come before prefills in the batch")
         groups = []
         on_cpu = self.device.type == "cpu"
-        # A window masks the cached context too: the split's unmasked half would not hold.
-        split_chunks = self.SPLIT_CHUNKS and on_cpu and window is None
+        # A window masks the cached context too: the split's unmasked half would not hold; and
+        # its flash kernel cannot cap scores.
+        split_chunks = self.SPLIT_CHUNKS and on_cpu and window is None and not capped
         prompts_alone = self.FRESH_PROMPTS_ALONE_ON_CPU and on_cpu
+        bs, dev = self.block_size, self.device
         kinds = ((0, num_decodes), (num_decodes, len(seqs)))
         for kind in kinds[1:] if self.DECODES_IN_KERNEL else kinds:
             for first, last in self._split(seqs, *kind):
-                for a, b in self._runs_of_fresh_prompts(seqs, first, last):
+                for a, b in runs_of_fresh_prompts(seqs, first, last):
                     rows = seqs[a:b]
-                    if self.CAUSAL_PROMPTS and _is_fresh_prompt(rows[0]):
+                    if self.CAUSAL_PROMPTS and is_fresh_prompt(rows[0]):
                         bounds = [(i, i + 1) for i in range(a, b)] if prompts_alone else [(a, b)]
                         for lo, hi in bounds:
-                            groups.append(self._fresh_group(lo, hi, seqs, query_start_loc, window))
+                            groups.append(fresh_group(lo, hi, seqs, query_start_loc, dev, window))
                     elif split_chunks and b - a == 1 and 1 < rows[0].query_len < rows[0].seq_len:
-                        groups.append(self._chunk_group(a, seqs, query_start_loc, block_tables))
+                        groups.append(chunk_group(a, seqs, query_start_loc, block_tables, bs, dev))
                     else:
                         groups.append(
-                            self._padded_group(a, b, seqs, query_start_loc, block_tables, window)
+                            padded_group(a, b, seqs, query_start_loc, block_tables, bs, dev, window)
                         )
         return groups
 
-    def _groups(self, meta: AttentionMetadata, window: int | None) -> list[PaddedGroup]:
-        """meta.groups, or where a window hides some key from some query, the window's groups
-        (built at the first layer that asks, then kept in meta)."""
-        if window is None or all(s.seq_len <= window for s in meta.seqs):
+    def _groups(self, meta: AttentionMetadata, window: int | None, capped: bool):
+        """meta.groups, or where a window hides some key from some query or scores are capped,
+        their own (built at the first layer that asks, then kept in meta)."""
+        if window is not None and all(s.seq_len <= window for s in meta.seqs):
+            window = None
+        if window is None and not capped:
             return meta.groups
-        groups = meta.windowed_groups.get(window)
+        groups = meta.other_groups.get((window, capped))
         if groups is None:
-            query_start_loc, block_tables = _host_tables(meta.seqs)
-            groups = meta.windowed_groups[window] = self._build_groups(
-                meta.seqs, meta.num_decodes, query_start_loc, block_tables, window
+            query_start_loc, block_tables = host_tables(meta.seqs)
+            groups = meta.other_groups[window, capped] = self._build_groups(
+                meta.seqs, meta.num_decodes, query_start_loc, block_tables, window, capped
             )
         return groups
-
-    @staticmethod
-    def _runs_of_fresh_prompts(seqs: list[SeqInfo], first: int, last: int) -> list[tuple[int, int]]:
-        """Rows [first, last) cut where whole prompts give way to rows with context, or back:
-        whole prompts attend without a gather or mask, so they are never padded with the rest."""
-        runs, start = [], first
-        for i in range(first + 1, last):
-            if _is_fresh_prompt(seqs[i]) != _is_fresh_prompt(seqs[start]):
-                runs.append((start, i))
-                start = i
-        runs.append((start, last))
-        return runs
 
     def _split(self, seqs: list[SeqInfo], first: int, last: int) -> list[tuple[int, int]]:
         """Cut rows [first, last) into runs whose padded query and key lengths stay within
@@ -271,105 +250,6 @@ class TorchAttentionBackend(AttentionBackend):
         runs.append((start, last))
         return runs
 
-    def _padded_group(
-        self,
-        first: int,
-        last: int,
-        seqs: list[SeqInfo],
-        query_start_loc: torch.Tensor,
-        block_tables: torch.Tensor,
-        window: int | None = None,
-    ) -> PaddedGroup:
-        bs = self.block_size
-        group = seqs[first:last]
-        q_lens = torch.tensor([s.query_len for s in group])
-        seq_lens = torch.tensor([s.seq_len for s in group])
-        q_max = int(q_lens.max())
-        # With a window, each request's gather starts at the block of its first query's first
-        # key: the blocks before it are never read (the manager may have freed them).
-        skip = torch.zeros(len(group), dtype=torch.long)
-        if window is not None:
-            skip = (seq_lens - q_lens - window + 1).clamp(min=0) // bs
-        blocks = -(-seq_lens // bs)  # each request's blocks, read or not
-        max_blocks = int((blocks - skip).max())
-        # A shorter request's row is padded with its own last block (read, masked): never the
-        # null block, nor another request's.
-        columns = (skip[:, None] + torch.arange(max_blocks)).clamp(max=(blocks - 1)[:, None])
-        kv_blocks = block_tables[first:last].long().gather(1, columns)
-        key_pos = (skip * bs)[:, None] + torch.arange(max_blocks * bs)  # [B, keys] in request
-        j = torch.arange(q_max)
-        q_valid = j[None, :] < q_lens[:, None]
-        # Query j of a request sits at absolute position seq_len - q_len + j (causal bound).
-        q_pos = (seq_lens - q_lens)[:, None] + j[None, :]
-        mask = key_pos[:, None, :] <= q_pos[:, :, None]
-        if window is not None:
-            mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
-        mask[~q_valid] = False
-        mask[..., 0] |= ~q_valid  # padded queries attend one key: no all-masked rows
-        first_row, last_row = int(query_start_loc[first]), int(query_start_loc[last])
-        q_index = None
-        if q_max > 1:
-            q_index = torch.where(q_valid, query_start_loc[first:last, None] + j[None, :], 0)
-        dev = self.device
-        return PaddedGroup(
-            q_index=None if q_index is None else q_index.to(dev),
-            rows=slice(first_row, last_row),
-            q_valid=None if q_index is None else q_valid.to(dev),
-            kv_blocks=kv_blocks.flatten().to(dev),
-            max_blocks=max_blocks,
-            mask=mask[:, None].to(dev),
-        )
-
-    def _fresh_group(
-        self,
-        first: int,
-        last: int,
-        seqs: list[SeqInfo],
-        query_start_loc: torch.Tensor,
-        window: int | None = None,
-    ) -> PaddedGroup:
-        """Whole prompts: every key is one of this step's own tokens, so nothing is read back
-        from the cache, and a causal SDPA needs no mask (unless a window hides keys: then one
-        over their own keys). Padding goes at the end, where no real query looks (query j
-        attends keys 0..j)."""
-        group = seqs[first:last]
-        q_lens = torch.tensor([s.query_len for s in group])
-        j = torch.arange(int(q_lens.max()))
-        q_valid = j[None, :] < q_lens[:, None]
-        mask = None
-        if window is not None and int(q_lens.max()) > window:
-            mask = (j[None, :] <= j[:, None]) & (j[None, :] > j[:, None] - window)
-            mask = mask[None, None].expand(len(group), 1, -1, -1).to(self.device)
-        q_index = torch.where(q_valid, query_start_loc[first:last, None] + j[None, :], 0)
-        first_row, last_row = int(query_start_loc[first]), int(query_start_loc[last])
-        dev = self.device
-        return PaddedGroup(
-            q_index=q_index.to(dev),
-            rows=slice(first_row, last_row),
-            q_valid=q_valid.to(dev),
-            kv_blocks=torch.empty(0, dtype=torch.long, device=dev),
-            max_blocks=0,
-            mask=mask,
-        )
-
-    def _chunk_group(
-        self, i: int, seqs: list[SeqInfo], query_start_loc: torch.Tensor, block_tables: torch.Tensor
-    ) -> PaddedGroup:
-        """A prompt chunk with context_len cached keys before it (seqs[i] alone)."""
-        s = seqs[i]
-        context_len = s.seq_len - s.query_len
-        blocks = -(-context_len // self.block_size)
-        dev = self.device
-        return PaddedGroup(
-            q_index=None,
-            rows=slice(int(query_start_loc[i]), int(query_start_loc[i + 1])),
-            q_valid=None,
-            kv_blocks=block_tables[i, :blocks].long().to(dev),
-            max_blocks=blocks,
-            mask=None,
-            context_len=context_len,
-        )
-
     def _gather(self, cache: torch.Tensor, which: str, g: PaddedGroup) -> torch.Tensor:
         n = g.kv_blocks.numel()
         block_numel = cache[0].numel()
@@ -384,16 +264,19 @@ class TorchAttentionBackend(AttentionBackend):
         # [B, max_blocks * block_size, KVH, D] -> [B, KVH, keys, D]
         return out.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, logits_soft_cap=None
+    ):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        self._attend_groups(q, k, v, k_cache, v_cache, meta, scale, out, sliding_window)
+        args = (q, k, v, k_cache, v_cache, meta, scale, out)
+        self._attend_groups(*args, sliding_window, logits_soft_cap)
         return out
 
-    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out, window) -> None:
-        for g in self._groups(meta, window):
+    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out, window, cap) -> None:
+        for g in self._groups(meta, window, cap is not None):
             if g.context_len:
                 out[g.rows] = self._attend_chunk(q, k, v, k_cache, v_cache, g, scale)
                 continue
@@ -403,9 +286,7 @@ class TorchAttentionBackend(AttentionBackend):
                     qg, kg, vg = (_one_request(t, g.rows) for t in (q, k, v))
                 else:
                     qg, kg, vg = (t[g.q_index].transpose(1, 2) for t in (q, k, v))
-                og = F.scaled_dot_product_attention(
-                    qg, kg, vg, g.mask, is_causal=g.mask is None, scale=scale, enable_gqa=True
-                )
+                og = _attention(qg, kg, vg, g.mask, scale, cap)
                 out[g.rows] = og[0].transpose(0, 1) if alone else og.transpose(1, 2)[g.q_valid]
                 continue
             kg = self._gather(k_cache, "k", g)
@@ -414,9 +295,7 @@ class TorchAttentionBackend(AttentionBackend):
                 qg = q[g.rows][:, :, None, :]
             else:
                 qg = q[g.q_index].transpose(1, 2)  # [B, H, Qmax, D]
-            og = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
-            )
+            og = _attention(qg, kg, vg, g.mask, scale, cap)
             if g.q_index is None:
                 out[g.rows] = og[:, :, 0, :]
             else:
@@ -475,11 +354,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return meta
 
     def _build_groups(
-        self, seqs, num_decodes, query_start_loc, block_tables, window=None
+        self, seqs, num_decodes, query_start_loc, block_tables, window=None, capped=False
     ) -> list[PaddedGroup]:
         return []  # no padded groups: every request goes to a kernel
 
-    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out, window) -> None:
+    def _attend_groups(self, q, k, v, k_cache, v_cache, meta, scale, out, window, cap) -> None:
         nd = meta.num_decodes
         if nd:
             self._decode(
@@ -492,6 +371,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 max_len=meta.max_decode_len,
                 out=out[:nd],
                 sliding_window=window,
+                logits_soft_cap=cap,
             )
         for i, first, last, context_len in meta.prefills:
             self._prefill(
@@ -503,6 +383,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 scale,
                 out=out[first:last],
                 sliding_window=window,
+                logits_soft_cap=cap,
             )
 
 
@@ -523,7 +404,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._attend = paged_attention
         self.ops = TritonForwardOps()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, logits_soft_cap=None
+    ):
         self._write(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(
             q,
@@ -534,6 +417,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.seq_lens,
             scale,
             sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
 

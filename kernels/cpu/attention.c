@@ -12,7 +12,8 @@
  * A sliding window of W keys (window > 0; 0: none): the query, at position seq_len - 1, sees
  * keys seq_len - W .. seq_len - 1. The blocks wholly before them are never read (the KV
  * manager may have freed them and left a null block id in the table), nor the keys before
- * them in the first block read.
+ * them in the first block read. Soft-capping (soft_cap > 0; 0: none) bounds each score to
+ * soft_cap * tanh(score / soft_cap) before the softmax.
  *
  * Compiled with -ffp-contract=fast (multiply-adds fused) and -fno-trapping-math (so that the
  * exponential's floor vectorizes); see build.py.
@@ -346,7 +347,9 @@ struct decode {
     float scale;
     void *out;
     float *scratch;
-    int64_t window, max_len, num_threads; /* window: keys a query sees, itself included; 0: all */
+    int64_t window; /* keys a query sees, itself included; 0: all */
+    float soft_cap; /* scores bounded to soft_cap * tanh(score / soft_cap); 0: none */
+    int64_t max_len, num_threads;
 };
 
 /* One thread's part of a call: the requests the OpenMP loop hands it, each in two passes over
@@ -392,7 +395,10 @@ static inline ALWAYS_INLINE void attend(const struct decode *a, enum dtype dt, i
             scores_block(block + t0 * key_stride, n - t0, key_stride, num_kv_heads, group, qs,
                          scores + start + t0, max_len, scale, hd);
         }
-        for (int64_t h = 0; h < num_heads; h++) softmax_row(scores + h * max_len + lo, len - lo);
+        for (int64_t h = 0; h < num_heads; h++) {
+            soft_cap_row(scores + h * max_len + lo, len - lo, a->soft_cap);
+            softmax_row(scores + h * max_len + lo, len - lo);
+        }
         for (int64_t start = lo / block_size * block_size; start < len; start += block_size) {
             const int64_t n = len - start < block_size ? len - start : block_size;
             const int64_t skip = lo > start ? lo - start : 0;
@@ -423,7 +429,8 @@ static void attend_bf16_d128(const struct decode *a) { attend(a, BF16, 128); }
 static void attend_bf16_any(const struct decode *a) { attend(a, BF16, a->head_dim); }
 
 static int decode_attention(const struct decode *a, enum dtype dt) {
-    if (a->num_heads % a->num_kv_heads || a->num_threads < 1 || a->window < 0) return 1;
+    if (a->num_heads % a->num_kv_heads || a->num_threads < 1 || a->window < 0 || a->soft_cap < 0)
+        return 1;
     for (int64_t s = 0; s < a->num_seqs; s++)
         if (a->seq_lens[s] < 1 || a->seq_lens[s] > a->max_len) return 2;
     void (*attend_part)(const struct decode *) =
@@ -439,13 +446,15 @@ int decode_attention_f32(const float *q, const float *k_cache, const float *v_ca
                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, float *out,
-                         float *scratch, int64_t window, int64_t max_len, int64_t num_threads) {
+                         float *scratch, int64_t window, float soft_cap, int64_t max_len,
+                         int64_t num_threads) {
     const struct decode a = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables,
         .bt_stride = bt_stride, .seq_lens = seq_lens, .num_seqs = num_seqs,
         .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .block_size = block_size, .scale = scale, .out = out, .scratch = scratch,
-        .window = window, .max_len = max_len, .num_threads = num_threads};
+        .window = window, .soft_cap = soft_cap, .max_len = max_len,
+        .num_threads = num_threads};
     return decode_attention(&a, F32);
 }
 
@@ -453,13 +462,15 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint
                           const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, uint16_t *out,
-                          float *scratch, int64_t window, int64_t max_len, int64_t num_threads) {
+                          float *scratch, int64_t window, float soft_cap, int64_t max_len,
+                          int64_t num_threads) {
     const struct decode a = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables,
         .bt_stride = bt_stride, .seq_lens = seq_lens, .num_seqs = num_seqs,
         .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .block_size = block_size, .scale = scale, .out = out, .scratch = scratch,
-        .window = window, .max_len = max_len, .num_threads = num_threads};
+        .window = window, .soft_cap = soft_cap, .max_len = max_len,
+        .num_threads = num_threads};
     return decode_attention(&a, BF16);
 }
 

@@ -4,6 +4,7 @@
 #ifndef STEPSCOPE_CPU_COMMON_H
 #define STEPSCOPE_CPU_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -86,6 +87,14 @@ static inline ALWAYS_INLINE float load_as(enum dtype dt, const void *p, int64_t 
 static inline ALWAYS_INLINE void store_as(enum dtype dt, void *p, int64_t i, float f) {
     if (dt == BF16) store_bf16((uint16_t *)p + i, f);
     else store_f32((float *)p + i, f);
+}
+
+/* Attention logit soft-capping in place: cap * tanh(x / cap) for row[0..n) (cap > 0; 0: none),
+ * as Gemma 2 and 3 bound their scores before the softmax. */
+static inline void soft_cap_row(float *row, int64_t n, float cap) {
+    if (cap <= 0.0f) return;
+    const float inv = 1.0f / cap;
+    for (int64_t t = 0; t < n; t++) row[t] = cap * tanhf(row[t] * inv);
 }
 
 /* Softmax of row[0..n) in place; returns nothing, leaves probabilities. */

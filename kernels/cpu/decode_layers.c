@@ -104,7 +104,7 @@ static char *reserve_workspace(int64_t bytes) {
             status = decode_attention_##SUFFIX(q, k_cache, v_cache, block_tables, bt_stride,    \
                                                seq_lens, tokens, num_heads, num_kv_heads,      \
                                                head_dim, block_size, scale, attn, scratch,     \
-                                               0, max_len, num_threads);                       \
+                                               0, 0.0f, max_len, num_threads);                 \
             if (status) return 40 + status;                                                    \
             status = qlinear_##SUFFIX(attn, tokens, hq, ADDR(const uint8_t, w[W_O]),            \
                                       ADDR(const float, w[W_O + 1]),                           \

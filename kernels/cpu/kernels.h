@@ -18,12 +18,14 @@ int decode_attention_f32(const float *q, const float *k_cache, const float *v_ca
                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, float *out,
-                         float *scratch, int64_t window, int64_t max_len, int64_t num_threads);
+                         float *scratch, int64_t window, float soft_cap, int64_t max_len,
+                         int64_t num_threads);
 int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, uint16_t *out,
-                          float *scratch, int64_t window, int64_t max_len, int64_t num_threads);
+                          float *scratch, int64_t window, float soft_cap, int64_t max_len,
+                          int64_t num_threads);
 
 /* prefill_attention.c */
 /* Writes into *entries the float32 scratch entries a prefill_attention call needs. */
@@ -33,12 +35,12 @@ int prefill_attention_f32(const float *q, const float *k_cache, const float *v_c
                           const int32_t *block_table, int64_t context_len, int64_t num_queries,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, float scale, float *out, float *scratch,
-                          int64_t window, int64_t num_threads);
+                          int64_t window, float soft_cap, int64_t num_threads);
 int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *block_table, int64_t context_len, int64_t num_queries,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, uint16_t *out, float *scratch,
-                           int64_t window, int64_t num_threads);
+                           int64_t window, float soft_cap, int64_t num_threads);
 
 /* decode_layers.c */
 int decode_layers_f32(float *x, float *residual, const int64_t *weights, const int64_t *formats,

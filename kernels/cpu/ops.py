@@ -60,12 +60,14 @@ def decode_attention(
     out: torch.Tensor | None = None,
     library: dict | None = None,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one query per request over its context, read through its block table
     (the query's own key and value are already in the cache). `max_len` bounds seq_lens
     (default: their maximum). `library`: another build's kernels (build.load_library).
     `sliding_window` W: each query sees only its last W keys, its own included; the table's
-    blocks wholly before them are never read."""
+    blocks wholly before them are never read. `logits_soft_cap` c: scores become
+    c * tanh(score / c) before the softmax."""
     _check(q, k_cache, v_cache, dtype=q.dtype)
     _check(block_tables, seq_lens, dtype=torch.int32)
     num_seqs, num_heads, head_dim = q.shape
@@ -92,7 +94,7 @@ def decode_attention(
         seq_lens=seq_lens.data_ptr(), num_seqs=num_seqs, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
         out=out.data_ptr(), scratch=scratch.data_ptr(), window=_window(sliding_window),
-        max_len=max_len, num_threads=threads,
+        soft_cap=_soft_cap(logits_soft_cap), max_len=max_len, num_threads=threads,
     )  # fmt: skip
     if status:
         raise ValueError("every seq_len must be between 1 and max_len")
@@ -108,8 +110,32 @@ def _window(sliding_window: int | None) -> int:
     return sliding_window
 
 
+def _soft_cap(logits_soft_cap: float | None) -> float:
+    """The kernels' soft_cap argument: 0 for none."""
+    if logits_soft_cap is None:
+        return 0.0
+    if not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
+    return logits_soft_cap
+
+
+def _capped(scores: torch.Tensor, logits_soft_cap: float | None) -> torch.Tensor:
+    return (
+        scores
+        if logits_soft_cap is None
+        else logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    )
+
+
 def decode_attention_reference(
-    q, k_cache, v_cache, block_tables, seq_lens, scale: float, sliding_window: int | None = None
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ):
     """The same attention in torch, request by request, in float32 (with a window, over the
     query's last sliding_window keys)."""
@@ -121,7 +147,7 @@ def decode_attention_reference(
         blocks = block_tables[i, : -(-length // block_size)].long()
         k = k_cache[blocks].flatten(0, 1)[lo:length].float().repeat_interleave(group, dim=1)
         v = v_cache[blocks].flatten(0, 1)[lo:length].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale
+        scores = _capped(torch.einsum("hd,thd->ht", q[i].float(), k) * scale, logits_soft_cap)
         out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
 
@@ -137,12 +163,13 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     library: dict | None = None,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_queries, num_heads, head_dim]
     """Causal attention of one request's chunk of queries over its context and its own keys,
     all read through its block table (the chunk's keys and values are already in the cache):
     query i sits at position context_len + i. `sliding_window` W: query i sees keys from
     context_len + i - W + 1 on; the table's blocks wholly before the first query's are never
-    read."""
+    read. `logits_soft_cap` c: scores become c * tanh(score / c) before the softmax."""
     _check(q, k_cache, v_cache, dtype=q.dtype)
     _check(block_table, dtype=torch.int32)
     num_queries, num_heads, head_dim = q.shape
@@ -174,7 +201,7 @@ def prefill_attention(
         block_table=block_table.data_ptr(), context_len=context_len, num_queries=num_queries,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         block_size=block_size, scale=scale, out=out.data_ptr(), scratch=scratch.data_ptr(),
-        window=window, num_threads=threads,
+        window=window, soft_cap=_soft_cap(logits_soft_cap), num_threads=threads,
     )  # fmt: skip
     if status:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads, "
@@ -183,13 +210,18 @@ def prefill_attention(
 
 
 def prefill_attention_reference(
-    q, k_cache, v_cache, block_table, context_len: int, scale: float, sliding_window=None
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    context_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ):
-    """The same attention in torch's SDPA, in float32, with an explicit causal mask aligned at
-    the bottom right (query i sees keys 0 .. context_len + i; with a window, from
+    """The same attention in torch, in float32, with an explicit causal mask aligned at the
+    bottom right (query i sees keys 0 .. context_len + i; with a window, from
     context_len + i - sliding_window + 1 on)."""
-    import torch.nn.functional as F
-
     num_queries, num_heads, _ = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     keys = context_len + num_queries
@@ -201,11 +233,11 @@ def prefill_attention_reference(
     seen = key_pos <= q_pos
     if sliding_window:
         seen &= key_pos > q_pos - sliding_window
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], k, v, attn_mask=seen, scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )  # fmt: skip
-    return out[0].transpose(0, 1).to(q.dtype)
+    group = num_heads // num_kv_heads
+    k, v = k[0].repeat_interleave(group, 0), v[0].repeat_interleave(group, 0)  # [H, keys, D]
+    scores = _capped(q.float().transpose(0, 1) @ k.transpose(1, 2) * scale, logits_soft_cap)
+    out = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v  # [H, queries, D]
+    return out.transpose(0, 1).to(q.dtype)
 
 
 # ---- quantized linear -------------------------------------------------------------------------

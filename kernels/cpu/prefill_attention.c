@@ -23,7 +23,8 @@
  * on. Only the keys from the first query's first one on are copied out (base, below): the
  * blocks before them are never read (the KV manager may have freed them and left a null block
  * id in the table). An item scores keys from its first query's first one on (tile-aligned),
- * and each row's weights before its own first key are zero.
+ * and each row's weights before its own first key are zero. Soft-capping (soft_cap > 0; 0:
+ * none) bounds each score to soft_cap * tanh(score / soft_cap) before the softmax.
  *
  * Layouts (contiguous, row-major):
  *   q, out   [num_queries, num_heads, head_dim]
@@ -136,7 +137,9 @@ struct prefill {
     float scale;
     void *out;
     float *scratch;
-    int64_t window, num_threads; /* window: keys a query sees, itself included; 0: all */
+    int64_t window; /* keys a query sees, itself included; 0: all */
+    float soft_cap; /* scores bounded to soft_cap * tanh(score / soft_cap); 0: none */
+    int64_t num_threads;
 };
 
 static inline ALWAYS_INLINE void prefill_part(const struct prefill *a, enum dtype dt,
@@ -194,6 +197,7 @@ static inline ALWAYS_INLINE void prefill_part(const struct prefill *a, enum dtyp
             const int64_t seen = context_len + i0 + r + 1 - base;
             const int64_t from = window > 0 && seen > window ? seen - window : 0;
             float *row = s + r * padded;
+            soft_cap_row(row + from, seen - from, a->soft_cap);
             softmax_row(row + from, seen - from);
             for (int64_t j = first; j < from; j++) row[j] = 0.0f;
             for (int64_t j = seen; j < last; j++) row[j] = 0.0f;
@@ -219,7 +223,7 @@ static void prefill_bf16_any(const struct prefill *a) { prefill_part(a, BF16, a-
 
 static int prefill_attention(const struct prefill *a, enum dtype dt) {
     if (a->num_heads % a->num_kv_heads || a->num_threads < 1 || a->num_queries < 1
-        || a->context_len < 0 || a->block_size < 1 || a->window < 0)
+        || a->context_len < 0 || a->block_size < 1 || a->window < 0 || a->soft_cap < 0)
         return 1;
     void (*part)(const struct prefill *) =
         a->head_dim == 64 ? (dt == BF16 ? prefill_bf16_d64 : prefill_f32_d64)
@@ -239,13 +243,13 @@ int prefill_attention_f32(const float *q, const float *k_cache, const float *v_c
                           const int32_t *block_table, int64_t context_len, int64_t num_queries,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, float scale, float *out, float *scratch,
-                          int64_t window, int64_t num_threads) {
+                          int64_t window, float soft_cap, int64_t num_threads) {
     const struct prefill a = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_table = block_table,
         .context_len = context_len, .num_queries = num_queries, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
         .scale = scale, .out = out, .scratch = scratch, .window = window,
-        .num_threads = num_threads};
+        .soft_cap = soft_cap, .num_threads = num_threads};
     return prefill_attention(&a, F32);
 }
 
@@ -253,12 +257,12 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
                            const int32_t *block_table, int64_t context_len, int64_t num_queries,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, uint16_t *out, float *scratch,
-                           int64_t window, int64_t num_threads) {
+                           int64_t window, float soft_cap, int64_t num_threads) {
     const struct prefill a = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_table = block_table,
         .context_len = context_len, .num_queries = num_queries, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
         .scale = scale, .out = out, .scratch = scratch, .window = window,
-        .num_threads = num_threads};
+        .soft_cap = soft_cap, .num_threads = num_threads};
     return prefill_attention(&a, BF16);
 }

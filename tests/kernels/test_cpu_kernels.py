@@ -293,7 +293,7 @@ def test_the_ctypes_signatures_are_kernels_h_argument_by_argument():
     assert attention.params[10:13] == ("block_size", "scale", "out")
     assert attention.argtypes[10:13] == (ctypes.c_int64, ctypes.c_float, ctypes.c_void_p)
     # One argument drifted in a copy of the header: exactly that one changes in the signature.
-    old, new = "int64_t max_len, int64_t num_threads);", "float max_len, int64_t num_threads);"
+    old, new = "float soft_cap, int64_t max_len,", "float soft_cap, float max_len,"
     drifted = build.signatures(HEADER.replace(old, new, 1))["decode_attention_f32"].argtypes
     pairs = zip(attention.params, attention.argtypes, drifted, strict=True)
     assert [name for name, was, now in pairs if was is not now] == ["max_len"]

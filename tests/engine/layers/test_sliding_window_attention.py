@@ -1,5 +1,6 @@
 """Sliding-window attention in every backend (torch, cpu, triton), decode and chunked prefill,
 against a dense masked reference in plain torch: a query at position p sees keys p - W + 1 .. p.
+And attention logit soft-capping (scores c * tanh(score / c)), with a window and without.
 
 The blocks wholly before the first key a request's queries see are replaced in its block table
 by the null block (id 0), as the KV manager does when it frees them; the null block holds NaN,
@@ -60,7 +61,7 @@ def _step(lengths: list[tuple[int, int]], window: int | None, block: int, dtype,
     return seqs, torch.cat(slots), q, k, v, k_cache, v_cache, dense
 
 
-def _reference(dense, window: int | None, scale: float) -> torch.Tensor:
+def _reference(dense, window: int | None, scale: float, cap: float | None = None) -> torch.Tensor:
     """Each request's queries over its dense keys, masked causally and by the window."""
     out = []
     for q, keys, values in dense:
@@ -74,17 +75,22 @@ def _reference(dense, window: int | None, scale: float) -> torch.Tensor:
         kh = keys.double().repeat_interleave(group, dim=1)  # [n, H, D]
         vh = values.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.double(), kh) * scale
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
         scores = scores.masked_fill(~seen[None], float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vh))
     return torch.cat(out)
 
 
-def _run(name: str, lengths, window, block: int = 16, dtype=torch.float32, seed: int = 0):
-    seqs, slots, q, k, v, k_cache, v_cache, dense = _step(lengths, window, block, dtype, seed)
+def _run(name: str, lengths, window, block: int = 16, dtype=torch.float32, cap=None):
+    seqs, slots, q, k, v, k_cache, v_cache, dense = _step(lengths, window, block, dtype)
     backend: AttentionBackend = make_attention_backend(name, block, torch.device("cpu"))
     meta = backend.build_metadata(seqs, slots)
-    got = backend.forward(q, k, v, k_cache, v_cache, meta, DIM**-0.5, sliding_window=window)
-    return got, _reference(dense, window, DIM**-0.5)
+    # Scores of a few units (the queries scaled up), so that a cap of 2 bends most of them.
+    scale = 4 * DIM**-0.5 if cap else DIM**-0.5
+    extra = {} if cap is None else {"logits_soft_cap": cap}
+    got = backend.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window=window, **extra)
+    return got, _reference(dense, window, scale, cap)
 
 
 # (query_len, seq_len) per request, decodes first.
@@ -110,8 +116,9 @@ def test_windowed_attention_matches_the_dense_masked_reference(name, case, windo
 
 
 @needs_cc
-def test_cpu_windowed_attention_in_bfloat16_matches_the_reference() -> None:
-    got, want = _run("cpu", CASES["mixed"], 24, dtype=torch.bfloat16)
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_cpu_windowed_attention_in_bfloat16_matches_the_reference(cap) -> None:
+    got, want = _run("cpu", CASES["mixed"], 24, dtype=torch.bfloat16, cap=cap)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
 
@@ -138,9 +145,19 @@ def test_layers_with_and_without_a_window_share_one_metadata(name) -> None:
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
-def test_triton_windowed_attention_matches_the_dense_masked_reference() -> None:
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("name", ["torch", pytest.param("cpu", marks=needs_cc)])
+def test_soft_capped_attention_matches_the_reference(name, window) -> None:
+    got, want = _run(name, CASES["mixed"], window, cap=2.0)
+    uncapped, _ = _run(name, CASES["mixed"], window)
+    assert (got - uncapped).abs().max() > 0.1  # the cap changed the result
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("window", "cap"), [(40, None), (40, 2.0)])
+def test_triton_windowed_attention_matches_the_dense_masked_reference(window, cap) -> None:
     """Interpreted on a CPU: few, large blocks."""
     lengths = [(1, 40), (1, 300), (50, 50), (100, 100), (40, 200)]
-    got, want = _run("triton", lengths, 40, block=64)
+    got, want = _run("triton", lengths, window, block=64, cap=cap)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
