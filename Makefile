@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	@# The CPU attention backend's kernels are C, built by the system compiler (once, cached).
 	command -v cc >/dev/null || command -v gcc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
 	$(PY) -m stepscope.kernels.cpu.build || echo "CPU kernels not built: the engine falls back to the torch attention backend"
-	$(PY) -m stepscope.engine.entrypoints.cli prepare --model smollm2-135m-instruct --model tiny-llama
+	$(PY) -m stepscope.engine.entrypoints.cli prepare --model smollm2-135m-instruct --model tiny-llama \
+		--model gemma-3-270m
 	touch $(STAMP)
 
 demo: setup

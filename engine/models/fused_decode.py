@@ -26,6 +26,8 @@ def fused_decode_reason(model) -> str | None:
         return f"the {model.attn.name} attention backend (it needs cpu)"
     if model.tp_size > 1:
         return "tensor parallelism (each layer all-reduces between its kernels)"
+    if model.shape.model_type not in ("llama", "qwen2", "qwen3"):
+        return f"{model.shape.model_type}'s layers (the kernel runs Llama's)"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {model.dtype}"
     for layer in model.layers:

@@ -10,8 +10,11 @@ names and block formats. stepscope reads it as vLLM does (`--quantization gguf`)
   names (`HF_NAMES`), each quantized one repacked as it is (engine/layers/quantization.py), or
   dequantized to float32 by the `gguf` package when quantization is off.
 
-llama.cpp's converter permutes the rows of Llama's q and k projections (rotary in interleaved
-pairs); transformers undoes it, and so does `load_gguf_weights`, on the quantized rows.
+Two families are read: Llama's (`llama`) and Gemma 3's (`gemma3`, its text model). llama.cpp's
+converter permutes the rows of Llama's q and k projections (rotary in interleaved pairs);
+transformers undoes it, and so does `load_gguf_weights`, on the quantized rows. For Gemma it
+stores every norm's weight with 1 added (the 1 + weight its norms multiply by); transformers
+subtracts it again, and so does `load_gguf_weights`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 POINTER = "gguf.json"  # in a checkpoint folder: {"path": the .gguf file it reads tensors from}
 
 # llama.cpp's tensor names -> transformers' (Llama family).
-HF_NAMES = {
+LLAMA_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
@@ -46,6 +49,17 @@ HF_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's: a norm before and after each sub-layer, and q/k norms.
+GEMMA3_NAMES = {
+    **LLAMA_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# config.json's model_type -> the names its GGUF tensors take.
+HF_NAMES = {"llama": LLAMA_NAMES, "gemma3_text": GEMMA3_NAMES}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -175,7 +189,7 @@ def resolve_quantization(asked: str | None, model_dir: str | Path, device: str) 
     """ "gguf" where the checkpoint is a GGUF and the device has a kernel for its blocks (the
     CPU's, kernels/cpu/qlinear.c), else None (weights dequantized to dtype). "gguf" asked for
     where it cannot run is refused; so is a GGUF block type without a repack, by name, and a
-    GGUF of a family whose tensor names are not read here (any but Llama's)."""
+    GGUF of a family whose tensor names are not read here (any but Llama's and Gemma 3's)."""
     is_gguf = gguf_file(Path(model_dir)) is not None
     if is_gguf:
         _check_family(json.loads((Path(model_dir) / "config.json").read_text()))
@@ -191,25 +205,31 @@ def resolve_quantization(asked: str | None, model_dir: str | Path, device: str) 
     return "gguf"
 
 
-def _check_family(config: dict) -> None:
-    if config.get("model_type", "llama") != "llama":
+def _check_family(config: dict) -> str:
+    """The model_type of a GGUF's config, if its tensors are read here."""
+    model_type = config.get("model_type", "llama")
+    if model_type not in HF_NAMES:
         raise ValueError(
             f"GGUF files of model_type {config.get('model_type')!r} are not read yet: "
-            "stepscope reads Llama-family GGUF files"
+            "stepscope reads Llama-family and Gemma 3 GGUF files"
         )
+    return model_type
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, model_type: str = "llama") -> str | None:
     """transformers' name of a GGUF tensor, or None for one the decoder does not read."""
+    names = HF_NAMES[model_type]
     if (m := _BLOCK.fullmatch(name)) is not None:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{HF_NAMES[part]}.{kind}" if part in HF_NAMES else None
+        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     stem, _, kind = name.rpartition(".")
-    return f"{HF_NAMES[stem]}.{kind}" if stem in HF_NAMES else None
+    return f"{names[stem]}.{kind}" if stem in names else None
 
 
 def _q_k_rows(name: str, rows: int, config: dict) -> np.ndarray | None:
-    """The row order that undoes llama.cpp's q/k permutation, or None for other tensors."""
+    """The row order that undoes llama.cpp's q/k permutation (Llama's only), or None."""
+    if config.get("model_type", "llama") != "llama":
+        return None
     heads = config["num_attention_heads"]
     if name.endswith(".attn_q.weight"):
         n_head = heads
@@ -236,19 +256,19 @@ def load_gguf_weights(model_dir: Path, quantized: bool) -> dict:
     )
 
     config = json.loads((model_dir / "config.json").read_text())
-    _check_family(config)
+    model_type = _check_family(config)
     path = gguf_file(model_dir)
     infos = read_tensor_infos(path)
     check_supported({t.name: t.kind for t in infos})
     weights: dict = {}
     for t in infos:
-        name = hf_name(t.name)
+        name = hf_name(t.name, model_type)
         if name is None:
             continue
         cols, rows = t.shape[0], math.prod(t.shape[1:])
         order = _q_k_rows(t.name, rows, config)
         data = tensor_data(path, t)
-        if quantized and t.kind in BLOCK_TYPES:
+        if quantized and t.kind in BLOCK_TYPES and len(t.shape) > 1:
             w = repack(t.kind, data, rows, cols)
             weights[name] = w if order is None else w.rows(torch.from_numpy(order))
             continue
@@ -259,6 +279,8 @@ def load_gguf_weights(model_dir: Path, quantized: bool) -> dict:
         values = values.reshape(rows, cols) if len(t.shape) > 1 else values.reshape(cols)
         if order is not None:
             values = values[order]
+        if model_type == "gemma3_text" and name.endswith("norm.weight"):
+            values = values - 1  # stored as 1 + weight (see the module's docstring)
         weights[name] = torch.from_numpy(np.array(values, dtype=np.float32))
     return weights
 

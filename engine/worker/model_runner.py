@@ -16,8 +16,8 @@ from stepscope.engine.config import EngineConfig
 from stepscope.engine.layers.attention import AttentionMetadata, SeqInfo, make_attention_backend
 from stepscope.engine.messages import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from stepscope.engine.models.config import read_model_shape
-from stepscope.engine.models.llama import LlamaModel
 from stepscope.engine.models.loader import load_weights, resolve_config
+from stepscope.engine.models.registry import model_class
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.engine.worker.sampler import Sampler, apply_grammar_bitmask
 from stepscope.traces import names
@@ -100,7 +100,7 @@ class ModelRunner:
         self.shape = read_model_shape(model_dir)
         self.attn = make_attention_backend(m.attention_backend, self.block_size, self.device)
         weights = load_weights(model_dir, m.quantization)
-        self.model = LlamaModel(
+        self.model = model_class(self.shape)(
             self.shape, weights, self.attn, self.device, self.dtype, tp_rank, tp_size, all_reduce,
             quantized_max_tokens=m.quantized_max_tokens, fused_decode=m.fused_decode,
         )  # fmt: skip

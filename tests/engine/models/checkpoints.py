@@ -57,6 +57,28 @@ FAMILIES = {
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
     ),
 }
+# Gemma 3: six layers, the sixth global (the default pattern), the others in a window of 24
+# positions; one KV head for two query heads of 32 (hidden / heads is also 32: the attention
+# scale comes from query_pre_attn_scalar, 20); global rope scaled (linear), local rope with its
+# own base; the final logits soft-capped.
+GEMMA3 = (
+    "Gemma3TextConfig",
+    dict(
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=20,
+        sliding_window=24,
+        rms_norm_eps=1e-6,
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=1000.0),
+        },
+    ),
+)
+ALL_FAMILIES = {**FAMILIES, "gemma3": GEMMA3}
 
 
 def build_checkpoint(family: str, out: Path, seed: int = 0, shard: bool = False) -> Path:
@@ -64,8 +86,8 @@ def build_checkpoint(family: str, out: Path, seed: int = 0, shard: bool = False)
     several safetensors files with an index, as transformers saves large models."""
     import transformers
 
-    config_class, fields = FAMILIES[family]
-    config = getattr(transformers, config_class)(**COMMON, **fields)
+    config_class, fields = ALL_FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**COMMON, **fields})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
     with torch.no_grad():  # transformers zeroes biases and sets norms to one: randomize them

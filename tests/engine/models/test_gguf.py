@@ -108,8 +108,8 @@ def test_an_unknown_block_type_is_refused_by_name(tmp_path):
         gguf_checkpoint.resolve_quantization("auto", tmp_path / "ckpt", "cpu")
     assert gguf_checkpoint.resolve_quantization(None, tmp_path / "ckpt", "cpu") is None
     # A GGUF of a family whose tensors are not read here is refused whatever the quantization.
-    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "gemma3"}')
-    with pytest.raises(ValueError, match="model_type 'gemma3' are not read yet"):
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ValueError, match="model_type 'qwen2' are not read yet"):
         gguf_checkpoint.resolve_quantization(None, tmp_path / "ckpt", "cpu")
 
 
