@@ -114,3 +114,21 @@ def test_paged_attention_accepts_query_sliced_from_fused_qkv(device: torch.devic
 
     assert not batch["q"].is_contiguous()
     torch.testing.assert_close(paged_attention(**batch), paged_attention_ref(**batch))
+
+
+@pytest.mark.parametrize("cap", [None, 2.0], ids=["window", "window_and_soft_cap"])
+def test_paged_attention_with_a_window_never_reads_the_blocks_behind_it(
+    device: torch.device, dtype: torch.dtype, tol: dict[str, float], cap: float | None
+) -> None:
+    # Decodes before and past the window, a whole prompt longer than it, chunks straddling it.
+    q_lens, seq_lens, window, block_size = [1, 1, 70, 30, 100], [30, 300, 70, 200, 260], 40, 32
+    batch = make_batch(q_lens, seq_lens, block_size, 2, 2, 64, dtype, device)
+    if cap is not None:
+        batch["q"] *= 4  # scores of a few units, which a cap of 2 bends
+    want = paged_attention_ref(**batch, sliding_window=window, logits_soft_cap=cap)
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        first_key = max(0, seq_len - q_len - window + 1)
+        batch["block_tables"][i, : first_key // block_size] = 0  # block 0 holds NaN
+    got = paged_attention(**batch, sliding_window=window, logits_soft_cap=cap)
+
+    torch.testing.assert_close(got, want, **tol)
