@@ -150,6 +150,9 @@ NUM_CONTEXT_TOKENS = "stepscope.num_context_tokens"
 # Blocks each KV cache group holds once the step is scheduled (int array, one per group: one
 # entry for a model whose layers all attend alike; a hybrid model's full-attention group first).
 KV_BLOCKS_BY_GROUP = "stepscope.kv_blocks_by_group"
+# Each group's sliding window in tokens, parallel to KV_BLOCKS_BY_GROUP (int array; 0 where the
+# group keeps every block), so a reader can name the groups.
+KV_GROUP_WINDOWS = "stepscope.kv_group_windows"
 
 # ---- worker step span ----------------------------------------------------------------------------
 # The worker process's CPU time over the step (all its threads: the forward runs on several), and

@@ -207,6 +207,9 @@ class StepSpan(_Scope):
         by_group = getattr(stats, "kv_blocks_by_group", ())
         if by_group:
             attributes[n.KV_BLOCKS_BY_GROUP] = list(by_group)
+            windows = getattr(stats, "kv_group_windows", ())
+            if len(windows) == len(by_group):
+                attributes[n.KV_GROUP_WINDOWS] = list(windows)
         reason = getattr(stats, "waiting_reason", None)
         if reason is not None:
             attributes[n.WAITING_REASON] = reason

@@ -50,6 +50,9 @@ class StepStats:
     num_context_tokens: int = 0
     # Blocks each KV cache group holds once the step is scheduled (one entry per group).
     kv_blocks_by_group: tuple[int, ...] = ()
+    # Each group's sliding window, parallel to kv_blocks_by_group (0: the group keeps every
+    # block: full attention, or a window with the hybrid manager off).
+    kv_group_windows: tuple[int, ...] = ()
 
 
 # "budget": running requests used the token budget; "max_num_seqs": the running batch is full;
@@ -244,6 +247,9 @@ class Scheduler:
             kv_blocks_short=kv_short if blocked_by == "kv_blocks" else 0,
             num_context_tokens=num_context,
             kv_blocks_by_group=tuple(self.kv.num_blocks_by_group),
+            kv_group_windows=tuple(
+                g.sliding_window if g.frees_outside_window else 0 for g in self.kv.groups
+            ),
         )
         if not num_scheduled and not preempted:
             # Nothing to run: no step happens. Requests finished meanwhile (aborts) wait for the

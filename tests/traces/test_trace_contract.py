@@ -19,7 +19,7 @@ VIEW_COLUMNS = {
     "steps": "step, start_ns, end_ns, duration_s, num_running, num_waiting, num_decode_tokens, "
     "num_prefill_tokens, token_budget, kv_free_before, kv_free_after, kv_total_blocks, "
     "prefix_hit_tokens, waiting_reason, waiting_reason_count, kv_blocks_short, "
-    "num_context_tokens, kv_blocks_by_group, num_preempted, "
+    "num_context_tokens, kv_blocks_by_group, kv_group_windows, num_preempted, "
     "num_finished, dp_rank, cpu_s, worker_s, num_threads, trace_id, span_id",
     "crossings": "boundary, side, message_type, bytes, num_requests, start_ns, end_ns, trace_id, "
     "span_id, parent_span_id, service_name, rank, dp_rank",

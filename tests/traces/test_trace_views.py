@@ -87,7 +87,10 @@ def run_file(tmp_path_factory) -> str:
         links[rid] = sp.request_link(carrier)
 
     _step(0, StepStats(0, 3, 0, 0, 15, 32, 60, 58, 4), dict(PROMPT), links)
-    second = StepStats(1, 2, 1, 2, 0, 32, 58, 57, 0, ("r2",), ("r0",), kv_blocks_by_group=(5, 2))
+    second = StepStats(
+        1, 2, 1, 2, 0, 32, 58, 57, 0, ("r2",), ("r0",), kv_blocks_by_group=(5, 2),
+        kv_group_windows=(0, 512),
+    )  # fmt: skip
     _step(1, second, {"r0": 1, "r1": 1}, links)
 
     crossing, carrier = cs.send_span(
@@ -151,9 +154,11 @@ def test_steps_view_has_scheduler_decisions(store):
 
 
 def test_steps_view_has_blocks_held_per_kv_cache_group(store):
-    rows = store.query("SELECT step, kv_blocks_by_group FROM steps ORDER BY step")
-    # Step 0's stats carried no groups (the attribute is left off); step 1's two groups.
+    rows = store.query("SELECT step, kv_blocks_by_group, kv_group_windows FROM steps ORDER BY step")
+    # Step 0's stats carried no groups (the attribute is left off); step 1's two groups: a
+    # full-attention one and one with a window of 512 tokens.
     assert [r["kv_blocks_by_group"] for r in rows] == [None, [5, 2]]
+    assert [r["kv_group_windows"] for r in rows] == [None, [0, 512]]
 
 
 def test_step_requests_unnests_served_requests(store):

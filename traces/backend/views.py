@@ -162,6 +162,7 @@ SELECT
     coalesce({_num(n.KV_BLOCKS_SHORT)}, 0) AS kv_blocks_short,
     {_num(n.NUM_CONTEXT_TOKENS)} AS num_context_tokens,
     {_num(n.KV_BLOCKS_BY_GROUP, "BIGINT[]")} AS kv_blocks_by_group,
+    {_num(n.KV_GROUP_WINDOWS, "BIGINT[]")} AS kv_group_windows,
     {_array_len(n.PREEMPTED_IDS)} AS num_preempted,
     {_array_len(n.FINISHED_IDS)} AS num_finished,
     {dp_rank_sql()} AS dp_rank,
