@@ -178,6 +178,10 @@ class CacheConfig(_Part):
     """Share of free memory the KV pool takes, in (0, 1)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of a prompt prefix already computed."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """One block table for every layer of a model that mixes sliding-window and full attention,
+    keeping every block (the window still applies in attention), instead of a table per group of
+    layers whose sliding-window tables give back the blocks the window has left behind."""
 
 
 class SchedulerConfig(_Part):

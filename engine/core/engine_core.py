@@ -21,6 +21,11 @@ from opentelemetry.trace import SpanContext
 
 from stepscope.engine.config import Endpoints, EngineConfig, check_no_chunk_budget
 from stepscope.engine.core.kv_cache_manager import KVCacheManager
+from stepscope.engine.core.kv_cache_utils import (
+    KVCacheGroupSpec,
+    kv_cache_groups_for,
+    needs_null_block,
+)
 from stepscope.engine.core.long_wait import LongWaitWatch
 from stepscope.engine.core.request import Request, RequestStatus
 from stepscope.engine.core.scheduler import WAITING_REASONS, Scheduler
@@ -36,6 +41,7 @@ from stepscope.engine.messages import (
     SchedulerOutput,
 )
 from stepscope.engine.metrics import TOKENS_PER_STEP_BUCKETS, Histogram
+from stepscope.engine.models.config import read_model_shape
 from stepscope.engine.models.loader import load_config
 from stepscope.traces import names
 from stepscope.traces.setup import dropped_spans, flush_tracing
@@ -79,22 +85,31 @@ def max_model_len_for(config: EngineConfig, model_dir: Path) -> int:
 
 
 def fit_max_model_len(
-    model_len: int, num_kv_blocks: int, block_size: int, explicit: int | None
+    model_len: int,
+    num_kv_blocks: int,
+    block_size: int,
+    explicit: int | None,
+    groups: list[KVCacheGroupSpec] | None = None,
 ) -> int:
     """The longest request the KV pool can hold alone, as the engine's context length.
 
     A request longer than the pool could never be admitted (or, grown there by decoding, never
     re-admitted after preempting itself), and the busy loop would spin on it for good. As vLLM
     does, a context the user asked for is refused; the model's own default is lowered to fit.
+    With several KV cache groups, each group's table is counted whole (a prompt's chunk fills
+    every group's blocks before a window frees any), and the null block is not usable.
     """
-    capacity = num_kv_blocks * block_size
+    num_groups = len(groups) if groups else 1
+    reserved = int(bool(groups) and needs_null_block(groups))
+    capacity = max(num_kv_blocks - reserved, 0) // num_groups * block_size
     if model_len <= capacity:
         return model_len
     if explicit is not None:
+        least = -(-explicit // block_size) * num_groups + reserved
         raise ValueError(
             f"max_model_len {explicit} does not fit in the KV cache: {num_kv_blocks} blocks of "
             f"{block_size} tokens hold {capacity} tokens; raise num_kv_blocks to at least "
-            f"{-(-explicit // block_size)} (--num-kv-blocks) or lower max_model_len to {capacity}"
+            f"{least} (--num-kv-blocks) or lower max_model_len to {capacity}"
         )
     logger.warning(
         "the KV cache holds %d tokens (%d blocks of %d), fewer than the model's %d positions: "
@@ -119,9 +134,12 @@ class EngineCore:
         model_len = max_model_len_for(config, model_dir)
         self.executor = executor or make_executor(config, model_dir, endpoints or Endpoints())
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+        self.kv_cache_groups = kv_cache_groups_for(
+            read_model_shape(model_dir), cache.disable_hybrid_kv_cache_manager
+        )
         self.max_model_len = fit_max_model_len(
             model_len, self.num_kv_blocks, cache.block_size,
-            explicit=config.model_config.max_model_len,
+            explicit=config.model_config.max_model_len, groups=self.kv_cache_groups,
         )  # fmt: skip
         try:
             check_no_chunk_budget(sched, self.max_model_len)  # the length the model allows
@@ -130,7 +148,7 @@ class EngineCore:
             raise
         self.executor.init_kv_cache(self.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(
-            self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching
+            self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching, self.kv_cache_groups
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,

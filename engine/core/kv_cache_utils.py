@@ -82,6 +82,11 @@ def get_kv_cache_groups(
     return groups
 
 
+def kv_cache_groups_for(shape, disable_hybrid: bool = False) -> list[KVCacheGroupSpec]:
+    """The groups of a model shape (engine/models/config.py's `ModelShape`)."""
+    return get_kv_cache_groups(shape.layer_types, shape.sliding_window, disable_hybrid)
+
+
 def kv_group_size(groups: list[KVCacheGroupSpec]) -> int:
     """Layers per group: how many KV tensor pairs the worker allocates (and so the layers one
     block's bytes cover)."""

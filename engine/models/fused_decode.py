@@ -61,10 +61,11 @@ class FusedDecode:
         self._caches: torch.Tensor | None = None
         self._cache_key: tuple[int, ...] = ()
 
-    def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """A step of decodes only (one token each), small enough for the quantized path."""
+    def takes(self, num_tokens: int, metas: list[AttentionMetadata]) -> bool:
+        """A step of decodes only (one token each), small enough for the quantized path, of a
+        model with one KV cache group (the kernel runs one block table for every layer)."""
         small = self.max_tokens is None or num_tokens <= self.max_tokens
-        return small and meta.num_decodes == num_tokens
+        return small and len(metas) == 1 and metas[0].num_decodes == num_tokens
 
     def __call__(
         self,

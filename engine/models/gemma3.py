@@ -98,8 +98,9 @@ class Gemma3Model(LlamaModel):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+        metas: list[AttentionMetadata],  # per KV cache group
+        kv_group_of_layer: list[int],  # per layer, the index of its group's metadata
     ) -> torch.Tensor:  # [num_tokens, hidden]
         linear = self.linear
         if _quantized(self.embed):
@@ -110,7 +111,10 @@ class Gemma3Model(LlamaModel):
         residual = None  # the residual stream; x is the last sub-layer's output until it is added
         n = input_ids.shape[0]
         soft_cap = self.shape.attn_logit_softcapping
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for layer, (k_cache, v_cache), group in zip(
+            self.layers, kv_caches, kv_group_of_layer, strict=True
+        ):
+            meta = metas[group]
             if residual is None:
                 x, residual = self._norm(x, layer.input_norm, layer.eps), x
             else:

@@ -145,8 +145,9 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+        metas: list[AttentionMetadata],  # per KV cache group
+        kv_group_of_layer: list[int],  # per layer, the index of its group's metadata
     ) -> torch.Tensor:  # [num_tokens, hidden]
         ops, linear = self.ops, self.linear
         if _quantized(self.embed):
@@ -155,10 +156,13 @@ class LlamaModel:
             x = F.embedding(input_ids, self.embed)
         residual = None  # the residual stream; x is the last sub-layer's output until it is added
         n = input_ids.shape[0]
-        if self.fused_decode is not None and self.fused_decode.takes(n, meta):
-            x, residual = self.fused_decode(x, positions, kv_caches, meta)
+        if self.fused_decode is not None and self.fused_decode.takes(n, metas):
+            x, residual = self.fused_decode(x, positions, kv_caches, metas[0])
             return ops.add_rms_norm(x, residual, self.norm, self.shape.rms_norm_eps)[0]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for layer, (k_cache, v_cache), group in zip(
+            self.layers, kv_caches, kv_group_of_layer, strict=True
+        ):
+            meta = metas[group]
             if residual is None:
                 x, residual = ops.rms_norm(x, layer.input_norm, layer.eps), x
             else:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from stepscope.engine.config import EngineConfig
+from stepscope.engine.core.kv_cache_utils import kv_cache_groups_for, kv_cache_layout, kv_group_size
 from stepscope.engine.layers.attention import AttentionMetadata, SeqInfo, make_attention_backend
 from stepscope.engine.messages import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from stepscope.engine.models.config import read_model_shape
@@ -31,7 +32,7 @@ PROMPT_SCORING_ROWS = 256  # prompt positions scored at once (256 x vocab float3
 class CachedRequestState:
     req_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # its block table in each KV cache group
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
@@ -45,7 +46,7 @@ class _Batch:
     order: list[str]  # request ids in batch order
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
+    metas: list[AttentionMetadata]  # one per KV cache group: its slots and block tables
     sample_rows: list[int]  # flat row of the last token of each request that samples
     sample_states: list[CachedRequestState]
     # Requests that score their prompt: (state, flat row of the chunk's first token, its position)
@@ -106,6 +107,15 @@ class ModelRunner:
         )  # fmt: skip
         self.tp_size = tp_size
         self.num_kv_heads = self.shape.num_kv_heads // tp_size
+        # The engine core forms the same groups from the same shape (engine/core/kv_cache_utils).
+        groups = kv_cache_groups_for(
+            self.shape, config.cache_config.disable_hybrid_kv_cache_manager
+        )
+        self.num_kv_groups = len(groups)
+        self.kv_group_size = kv_group_size(groups)
+        self.kv_group_of_layer, self.kv_pair_of_layer = kv_cache_layout(
+            groups, self.shape.num_layers
+        )
         self.sampler = Sampler(self.device, m.seed, cpu_kernels=self.attn.name == "cpu")
         self.requests: dict[str, CachedRequestState] = {}
         # Kept between steps for the grammar mask (apply_grammar_bitmask): grown, never shrunk.
@@ -114,9 +124,11 @@ class ModelRunner:
 
     # ---- KV cache memory -----------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
+        """Bytes of one pool block: keys and values of a group's layers (every layer, with one
+        group)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         s = self.shape
-        return 2 * s.num_layers * self.block_size * self.num_kv_heads * s.head_dim * elem
+        return 2 * self.kv_group_size * self.block_size * self.num_kv_heads * s.head_dim * elem
 
     def determine_num_kv_blocks(self) -> int:
         cache, p = self.config.cache_config, self.config.parallel_config
@@ -134,12 +146,17 @@ class ModelRunner:
         return max(budget // self.kv_block_bytes(), 1)
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """One (keys, values) pair per layer of a KV cache group; layer l uses the pair of its
+        place in its group (every layer its own pair, with one group), as each pool block
+        belongs to one group at a time."""
         s = self.shape
         shape = (num_blocks, self.block_size, self.num_kv_heads, s.head_dim)
         # Zeroed, not empty: padded key slots are read (then masked), and garbage could be NaN.
-        self.kv_caches = [
-            (self._zeroed_cache(shape), self._zeroed_cache(shape)) for _ in range(s.num_layers)
+        pairs = [
+            (self._zeroed_cache(shape), self._zeroed_cache(shape))
+            for _ in range(self.kv_group_size)
         ]
+        self.kv_caches = [pairs[j] for j in self.kv_pair_of_layer]
 
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         """One layer's keys or values, zeroed. On a CPU, on 2 MiB pages where Linux gives them:
@@ -166,18 +183,21 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id,
                 list(new.token_ids),
-                list(new.block_ids),
+                [list(ids) for ids in new.block_ids_by_group()],
                 new.num_computed_tokens,
                 new.sampling_params,
                 gen,
                 new.num_prompt_tokens,
             )
         cached = so.scheduled_cached_reqs
-        for req_id, new_blocks, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        for i, (req_id, num_computed) in enumerate(
+            zip(cached.req_ids, cached.num_computed_tokens, strict=True)
         ):
             state = self.requests[req_id]
-            state.block_ids.extend(new_blocks)
+            for table, new_blocks in zip(
+                state.block_ids, cached.new_block_ids_by_group(i), strict=True
+            ):
+                table.extend(new_blocks)
             state.num_computed_tokens = num_computed
 
     @torch.inference_mode()
@@ -189,8 +209,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         with child_span(names.FORWARD):  # the model, to the logits of the rows that sample
             hidden = self.model.forward(
-                batch.input_ids, batch.positions, self.kv_caches, batch.meta
-            )
+                batch.input_ids, batch.positions, self.kv_caches, batch.metas,
+                self.kv_group_of_layer,
+            )  # fmt: skip
             logits = None
             if batch.sample_rows:
                 rows = torch.tensor(batch.sample_rows, device=self.device)
@@ -217,8 +238,8 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        seqs: list[SeqInfo] = []
+        slots: list[list[np.ndarray]] = [[] for _ in range(self.num_kv_groups)]  # per group
+        seqs: list[list[SeqInfo]] = [[] for _ in range(self.num_kv_groups)]
         sample_rows: list[int] = []  # flat row of the last token of each request that samples
         sample_states: list[CachedRequestState] = []
         prompt_scoring: list[tuple[CachedRequestState, int, int, int]] = []
@@ -233,19 +254,25 @@ class ModelRunner:
             input_ids.extend(st.token_ids[start:end])
             pos = np.arange(start, end)
             positions.append(pos)
-            slots.append(np.asarray(st.block_ids)[pos // bs] * bs + pos % bs)
-            seqs.append(SeqInfo(n, end, st.block_ids))
+            for g, table in enumerate(st.block_ids):
+                slots[g].append(np.asarray(table)[pos // bs] * bs + pos % bs)
+                seqs[g].append(SeqInfo(n, end, table))
             st.num_computed_tokens = end
             if end == len(st.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_states.append(st)
         dev = self.device
-        slot_t = torch.from_numpy(np.concatenate(slots).astype(np.int64))
+        metas = [
+            self.attn.build_metadata(
+                group_seqs, torch.from_numpy(np.concatenate(group_slots).astype(np.int64))
+            )
+            for group_seqs, group_slots in zip(seqs, slots, strict=True)
+        ]
         return _Batch(
             order=order,
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
-            meta=self.attn.build_metadata(seqs, slot_t),
+            metas=metas,
             sample_rows=sample_rows,
             sample_states=sample_states,
             prompt_scoring=prompt_scoring,

@@ -268,3 +268,13 @@ def test_scheduler_output_carries_each_groups_blocks() -> None:
     assert len(second.scheduled_cached_reqs.new_block_ids_by_group(0)) == 2
     assert all(len(ids) == 1 for ids in second.scheduled_cached_reqs.new_block_ids_by_group(0))
     assert scheduler.last_stats.kv_blocks_by_group == (3, 3)
+
+
+def test_context_fit_counts_every_groups_table_and_the_null_block() -> None:
+    from stepscope.engine.core.engine_core import fit_max_model_len
+
+    groups = hybrid_groups()  # six groups
+
+    assert fit_max_model_len(4096, 6 * 128 + 1, BS, None, groups) == 128 * BS
+    assert fit_max_model_len(4096, 6 * 128, BS, None, groups) == 127 * BS
+    assert fit_max_model_len(4096, 128, BS, None, None) == 128 * BS  # one table, as before
