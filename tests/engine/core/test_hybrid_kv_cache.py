@@ -5,6 +5,9 @@ admission counted across groups (issue 39). CPU only: block ids and ref counts, 
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 from stepscope.engine.core.kv_cache_manager import KVCacheManager, cdiv
 from stepscope.engine.core.kv_cache_utils import (
     FULL_ATTENTION,
@@ -14,7 +17,7 @@ from stepscope.engine.core.kv_cache_utils import (
     kv_cache_layout,
     kv_group_size,
 )
-from stepscope.engine.core.request import Request
+from stepscope.engine.core.request import Request, RequestStatus
 from stepscope.engine.core.scheduler import Scheduler
 from stepscope.engine.sampling_params import SamplingParams
 from tests.engine.core.fake_runner import fake_runner_output
@@ -133,9 +136,10 @@ def test_long_request_holds_at_most_a_window_of_blocks_per_sliding_group_while_d
     scheduler.add_request(make_request("long", list(range(2100)), max_tokens=300))
     bound = cdiv(WINDOW, BS) + 1
     decoding_steps = 0
+    most = 0
 
     def check(out) -> None:
-        nonlocal decoding_steps
+        nonlocal decoding_steps, most
         request = scheduler.requests.get("long")
         if request is None or out.num_scheduled_tokens.get("long") != 1:
             return  # finished, or a step of its prefill
@@ -144,10 +148,11 @@ def test_long_request_holds_at_most_a_window_of_blocks_per_sliding_group_while_d
         assert full == cdiv(request.num_computed_tokens, BS)
         assert all(n <= bound for n in sliding), (sliding, bound)
         assert max(sliding) == min(sliding)  # the five sliding groups keep alike
+        most = max(most, *sliding)
 
     run_steps(scheduler, 5 + 300, check)
 
-    assert decoding_steps >= 250
+    assert decoding_steps >= 250 and most == bound  # the bound is reached, never passed
     assert "long" not in scheduler.requests  # finished, every group given back
     assert kv.num_free_blocks == kv.pool.num_usable_blocks
     assert kv.num_blocks_by_group == [0] * 6
@@ -278,3 +283,47 @@ def test_context_fit_counts_every_groups_table_and_the_null_block() -> None:
     assert fit_max_model_len(4096, 6 * 128 + 1, BS, None, groups) == 128 * BS
     assert fit_max_model_len(4096, 6 * 128, BS, None, groups) == 127 * BS
     assert fit_max_model_len(4096, 128, BS, None, None) == 128 * BS  # one table, as before
+
+
+def test_random_traffic_keeps_ref_counts_and_window_bounds_in_every_group() -> None:
+    """Arrivals sharing prefixes, aborts and steps on a small hybrid pool: after each step every
+    block's ref count is the number of tables holding it, the free queue holds exactly the
+    unheld blocks, the null block is never free or counted, and no decoding request holds more
+    than a window of blocks in the sliding group."""
+    window, bs = 8, 4
+    groups = get_kv_cache_groups((SLIDING_ATTENTION, FULL_ATTENTION), window)
+    kv = KVCacheManager(25, bs, kv_cache_groups=groups)  # short: requests get preempted
+    scheduler = Scheduler(kv, 16, 4, 48)
+    rng = random.Random(0)
+    prefix = list(range(500, 520))
+    null = kv.pool.null_block
+    for i in range(300):
+        if rng.random() < 0.3:
+            prompt = prefix[: rng.randrange(0, 20)] + [rng.randrange(1000) for _ in range(3)]
+            scheduler.add_request(make_request(f"r{i}", prompt, rng.randrange(1, 30), bs=bs))
+        if scheduler.running and rng.random() < 0.05:
+            victim = rng.choice(scheduler.running).request_id
+            scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, fake_runner_output(scheduler, out, 7))
+
+        tables = [t for m in kv.coordinator.managers for t in m.req_to_blocks.values()]
+        held = Counter(b.block_id for t in tables for b in t if b is not null)
+        assert all(b.ref_cnt == held[b.block_id] for b in kv.pool.blocks if b is not null)
+        free = {b.block_id for b in kv.pool.free_queue}
+        assert free == {b.block_id for b in kv.pool.blocks if b is not null and not b.ref_cnt}
+        assert null.ref_cnt == 0 and null.block_id not in free
+        assert kv.num_blocks_by_group == [
+            len({b.block_id for t in m.req_to_blocks.values() for b in t if b is not null})
+            for m in kv.coordinator.managers
+        ]
+        for req_id, n in out.num_scheduled_tokens.items():
+            if n == 1 and req_id in scheduler.requests:
+                assert held_in(kv, 1, req_id) <= cdiv(window, bs) + 1
+    scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks
+
+
+def held_in(kv: KVCacheManager, group: int, req_id: str) -> int:
+    null = kv.pool.null_block
+    return sum(b is not null for b in kv.coordinator.get_blocks(req_id)[group])
