@@ -70,6 +70,10 @@ class InputProcessor:
             raise FieldError(
                 "messages", "messages must be a list of {'role': ..., 'content': ...} dicts"
             )
+        if not self.tokenizer.chat_template:  # a base model's checkpoint may ship none
+            raise FieldError(
+                "messages", "this model's checkpoint has no chat template: send a plain prompt"
+            )
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )

@@ -11,7 +11,8 @@
 - Local layers attend to a sliding window of the last `sliding_window` positions with their own
   rope base (`rope_local_theta`); global layers attend to the whole context with `rope_theta`
   and the config's rope scaling. `layer_types` says which is which.
-- Attention logits soft-capped (`attn_logit_softcapping`, passed to the attention backend) and
+- Attention logits soft-capped (`attn_logit_softcapping`, passed to the attention backend, as
+  vLLM passes it; transformers' Gemma 3 leaves it out, and every Gemma 3 config sets none) and
   final logits soft-capped (tanh(logits / cap) * cap) where the config sets them.
 
 Numerics follow transformers' Gemma3ForCausalLM op for op, so float32 greedy tokens match its
@@ -19,8 +20,6 @@ Numerics follow transformers' Gemma3ForCausalLM op for op, so float32 greedy tok
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -67,12 +66,6 @@ class Gemma3Model(LlamaModel):
         )
         for layer, kind in zip(self.layers, shape.layer_types, strict=True):
             layer.sliding_window = shape.sliding_window if kind == SLIDING else None
-        takes = inspect.signature(attn.forward).parameters
-        if shape.attn_logit_softcapping is not None and "logits_soft_cap" not in takes:
-            raise ValueError(
-                f"attn_logit_softcapping={shape.attn_logit_softcapping} needs attention "
-                f"logit soft-capping, which the {attn.name} attention backend lacks"
-            )
 
     def _layer_weights(self, w, i: int, rank: int, size: int) -> dict[str, torch.Tensor]:
         out = super()._layer_weights(w, i, rank, size)
@@ -129,10 +122,9 @@ class Gemma3Model(LlamaModel):
             local = layer.sliding_window is not None
             rope = self.local_rope if local else self.global_rope
             q, k = self.ops.rotary(positions, q, k, rope)
-            extra = {} if soft_cap is None else {"logits_soft_cap": soft_cap}
             o = self.attn.forward(
                 q, k, v.contiguous(), k_cache, v_cache, meta, layer.scale,
-                sliding_window=layer.sliding_window, **extra,
+                sliding_window=layer.sliding_window, logits_soft_cap=soft_cap,
             )  # fmt: skip
             x = self._reduce(linear(o.reshape(n, hq), layer.o_proj))
             x = self._norm(x, layer.post_norm, layer.eps)
