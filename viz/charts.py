@@ -1,7 +1,8 @@
 """Chart pieces more than one chart draws: the decode/prefill token bars with their
 preemption marks and hover (the simulator's many-steps chart and the engine page's token chart),
 the per-step hover and finish of the engine page's step charts, the replay's step markers, and
-the horizontal interval bars of every timeline (lanes, the request's stages, its parts, blocks).
+the horizontal interval bars of every timeline (lanes, the request's stages, its parts, blocks),
+and the lines of blocks held per KV cache group (the engine page's and the simulator's).
 
 Each piece draws on a figure from `ui.new_figure`, reading the column names its docstring gives
 from the source it is handed.
@@ -15,7 +16,7 @@ from typing import Any
 from bokeh.models import ColumnDataSource, GlyphRenderer, HoverTool, Span
 from bokeh.plotting import figure
 
-from stepscope.viz.ui import COLORS, outside_legend
+from stepscope.viz.ui import COLORS, new_figure, outside_legend
 
 
 def token_bars(
@@ -89,3 +90,19 @@ def step_markers(count: int) -> list[Span]:
         )
         for _ in range(count)
     ]
+
+
+def kv_group_figure(title: str, source: ColumnDataSource) -> figure:
+    """Blocks each KV cache group holds over the steps, one line per group (columns `xs`, `ys`,
+    `label`, `color`: engine_data.kv_group_series), the legend to the right, one name a line."""
+    fig = new_figure(title, x_axis_label="step", y_axis_label="blocks held")
+    lines = fig.multi_line(
+        "xs", "ys", source=source, color="color", legend_field="label", line_width=2
+    )
+    tooltips = [("", "@label"), ("step", "$data_x{0}"), ("blocks", "$data_y{0}")]
+    fig.add_tools(HoverTool(renderers=[lines], tooltips=tooltips))
+    fig.y_range.start = 0
+    outside_legend(fig, "right")
+    if fig.legend:
+        fig.legend[0].orientation = "vertical"
+    return fig

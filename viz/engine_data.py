@@ -11,7 +11,7 @@ arrays, dicts and text, so the page's numbers are tested on a trace file alone
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -78,7 +78,8 @@ _STEPS_SQL = f"""
 SELECT * FROM (
     SELECT step, start_ns, end_ns, duration_s, num_running, num_waiting, num_decode_tokens,
            num_prefill_tokens, token_budget, kv_free_before, kv_free_after, kv_total_blocks,
-           prefix_hit_tokens, num_preempted, num_finished, dp_rank
+           prefix_hit_tokens, num_preempted, num_finished, dp_rank, kv_blocks_by_group,
+           kv_group_windows
     FROM steps ORDER BY start_ns DESC LIMIT {MAX_STEPS}
 ) ORDER BY start_ns
 """
@@ -347,6 +348,50 @@ def step_series(steps: pd.DataFrame) -> tuple[dict[str, Any], dict[str, Any], fl
         count=cols["num_preempted"][mask].astype(int),
     )
     return data, marks, top
+
+
+def kv_group_labels(windows: Sequence[Any] | None, num_groups: int) -> list[str]:
+    """Names of the KV cache groups, from each one's sliding window (`kv_group_windows`, 0 for
+    a group that keeps every block): "full attention" and "sliding window 512 (group 1)"; a
+    trace without the windows names them "group k"."""
+    if windows is None or len(windows) != num_groups:
+        return [f"group {k}" for k in range(num_groups)]
+    num_full = sum(1 for w in windows if not w)
+    return [
+        f"sliding window {int(w)} (group {k})"
+        if w
+        else ("full attention" if num_full == 1 else f"full attention (group {k})")
+        for k, w in enumerate(windows)
+    ]
+
+
+def _array(value: Any) -> list[Any] | None:
+    """A list column's cell (a list or an array) as a list; NULL (None or NaN) as None."""
+    return None if value is None or isinstance(value, float) else list(value)
+
+
+def kv_group_series(steps: pd.DataFrame) -> dict[str, list[Any]]:
+    """The blocks each KV cache group holds after each step: one line per group (the columns
+    of a multi-line source: xs, ys, label, color). Empty when no step has more than one group
+    (a model whose layers all attend alike: the KV chart already shows its one table)."""
+    data: dict[str, list[Any]] = {"xs": [], "ys": [], "label": [], "color": []}
+    if steps.empty or "kv_blocks_by_group" not in steps:
+        return data
+    by_group = [_array(v) for v in steps["kv_blocks_by_group"]]
+    num_groups = max((len(v) for v in by_group if v is not None), default=0)
+    if num_groups < 2:
+        return data
+    windows = None
+    if "kv_group_windows" in steps:
+        windows = next((w for w in map(_array, steps["kv_group_windows"]) if w), None)
+    xs = pd.to_numeric(steps["step"], errors="coerce").astype(float).to_numpy()
+    for k, label in enumerate(kv_group_labels(windows, num_groups)):
+        ys = [float(v[k]) if v is not None and k < len(v) else np.nan for v in by_group]
+        data["xs"].append(xs)
+        data["ys"].append(np.array(ys))
+        data["label"].append(label)
+        data["color"].append(RANK_COLORS[k % len(RANK_COLORS)])
+    return data
 
 
 def step_cards(steps: pd.DataFrame, num_ranks: int) -> list[tuple[str, str, str]]:

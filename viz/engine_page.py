@@ -1,9 +1,11 @@
 """Dashboard page 3: the engine step by step, from the `steps`, `requests`, `crossings` views.
 
 Per-step token budget (decode vs prefill), KV blocks used and free, running and waiting counts,
-preemptions, a timeline of steps per process with the messages between them, latency
-histograms, and a request table whose rows open the request path page. A finished file is
-replayed with a step player; a live source is re-read by the app every second.
+preemptions (and, for a model with several KV cache groups, the blocks each group holds: its
+sliding-window groups flat while its full-attention group grows), a timeline of steps per
+process with the messages between them, latency histograms, and a request table whose rows open
+the request path page. A finished file is replayed with a step player; a live source is
+re-read by the app every second.
 
 With data parallelism (several `dp_rank`s) the page adds a table of each rank's work and, over
 time, one line per rank of its token budget use, KV blocks and queue, and of the load the DP
@@ -38,6 +40,7 @@ from stepscope.traces.backend.source import TraceSource
 from stepscope.viz.charts import (
     finish_step_chart,
     interval_bars,
+    kv_group_figure,
     preemption_marks,
     step_markers,
     token_bars,
@@ -46,6 +49,7 @@ from stepscope.viz.charts import (
 from stepscope.viz.engine_data import (
     LATENCIES,
     STEP_COLUMNS,
+    kv_group_series,
     latency_histograms,
     ranks_in,
     read_loads,
@@ -82,6 +86,8 @@ STEP_TITLES = (
     "KV blocks after scheduling: used vs free",
     "Running and waiting requests",
 )
+# Shown only when the run's model has several KV cache groups (a hybrid model such as Gemma 3).
+GROUPS_TITLE = "KV blocks held per KV cache group (windows give back what they left behind)"
 BOUNDARY_COLORS = {
     n.API_TO_ENGINE_CORE: "#4C78A8",
     n.ENGINE_CORE_TO_WORKER: "#B279A2",
@@ -133,6 +139,16 @@ class EnginePage:
             fig.add_layout(marker)
         self.kv_fig.x_range = self.tokens_fig.x_range
         self.queue_fig.x_range = self.tokens_fig.x_range
+        self.groups_source = ColumnDataSource(dict(xs=[], ys=[], label=[], color=[]))
+        self.groups_fig = kv_group_figure(GROUPS_TITLE, self.groups_source)
+        self.groups_fig.x_range = self.tokens_fig.x_range
+        self.markers.extend(step_markers(1))
+        self.groups_fig.add_layout(self.markers[-1])
+        # Its own row, shown or hidden whole (a Bokeh pane's visibility follows its figure's).
+        self.groups_box = pn.Row(
+            bokeh_pane(self.groups_fig), sizing_mode="stretch_width", visible=False,
+            css_classes=["eng-kv-groups"],
+        )  # fmt: skip
 
     @property
     def _step_figs(self) -> tuple[figure, figure, figure]:
@@ -208,6 +224,7 @@ class EnginePage:
             self.rank_box,
             row(self.rank_select, self.player, self.step_detail),
             row(bokeh_pane(self.tokens_fig), bokeh_pane(self.kv_fig)),
+            self.groups_box,
             row(bokeh_pane(self.queue_fig), bokeh_pane(self.timeline_fig)),
             row(*[bokeh_pane(f) for f in self.hist_figs]),
             pn.pane.Markdown("#### Requests (click a row to open its path)"),
@@ -359,7 +376,8 @@ class EnginePage:
         steps = self.all_steps
         if not steps.empty and self.several_ranks:
             steps = steps[steps["dp_rank"] == self.dp_rank].reset_index(drop=True)
-        for fig, title in zip(self._step_figs, STEP_TITLES, strict=True):
+        figs, titles = (*self._step_figs, self.groups_fig), (*STEP_TITLES, GROUPS_TITLE)
+        for fig, title in zip(figs, titles, strict=True):
             fig.title.text = f"{title} (DP rank {self.dp_rank})" if self.several_ranks else title
         self._show_steps(steps)
         if self.source.live or steps.empty:
@@ -390,6 +408,9 @@ class EnginePage:
 
     def _show_steps(self, steps: pd.DataFrame) -> None:
         self.steps = steps
+        groups = kv_group_series(steps)
+        self.groups_source.data = groups
+        self.groups_box.visible = bool(groups["xs"])
         if steps.empty:
             self.step_source.data = {k: [] for k in self.step_source.data}
             self.preempt_source.data = dict(step=[], y=[], count=[])

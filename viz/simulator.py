@@ -20,6 +20,13 @@ each needs a new block this step, as every decode does once every `block_size` t
 fake sampled tokens) and shows what one step cannot: a prefill chunked over several steps,
 decodes crossing into a new block, a prefix-cache hit for a second request with the same prompt,
 and recompute preemption when the pool runs dry.
+
+Both take a layer pattern (`layer_types`, `sliding_window`; `LAYER_PATTERNS` names two): by
+default every layer attends to the whole context, one KV cache group, as before. A hybrid
+pattern (Gemma 3: five sliding-window layers to each full-attention one) gives the real manager
+one group per attention type (engine/core/kv_cache_utils.py): every block a request takes is
+taken in each group, and the sliding-window groups give back what their window left behind, so
+`SimStep.kv_blocks_by_group` shows them staying flat while the full-attention group grows.
 """
 
 from __future__ import annotations
@@ -28,6 +35,13 @@ import itertools
 from dataclasses import dataclass, field
 
 from stepscope.engine.core.kv_cache_manager import KVCacheManager, cdiv
+from stepscope.engine.core.kv_cache_utils import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    KVCacheGroupSpec,
+    get_kv_cache_groups,
+    needs_null_block,
+)
 from stepscope.engine.core.request import Request
 from stepscope.engine.core.scheduler import Scheduler
 from stepscope.engine.messages import ModelRunnerOutput, SchedulerOutput
@@ -41,6 +55,14 @@ GROUP_B = {"running": 127, "prompt_len": 1920, "free_blocks": 16}
 # `num_chunks` is counted by stepping the scheduler; past this many steps it is left as None
 # (a prompt that slow to get in is the answer already, and a slider must stay responsive).
 MAX_CHUNK_STEPS = 128
+
+# Layer patterns the simulator offers: (layer_types, sliding_window); None is every layer on
+# full attention. Gemma 3 270M's 18 layers: five local (window 512) then one global, three times.
+GEMMA3_LAYERS = ((SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)) * 3
+LAYER_PATTERNS: dict[str, tuple[tuple[str, ...], int] | None] = {
+    "All full attention": None,
+    "Gemma 3: 5 local : 1 global, window 512": (GEMMA3_LAYERS, 512),
+}
 
 _MAX_MODEL_LEN = 1 << 30  # no length limit gets in the way of the simulated requests
 _NO_LIMIT = SamplingParams(max_tokens=None, temperature=0.0)
@@ -71,6 +93,8 @@ class StepResult:
     kv_free_after: int  # free blocks once the step is scheduled
     decodes_new_block: int = 0  # running decodes that took a new block this step
     preempted: tuple[str, ...] = ()  # running requests preempted this step (no admission then)
+    kv_blocks_by_group: tuple[int, ...] = ()  # blocks each KV cache group holds after the step
+    kv_group_windows: tuple[int, ...] = ()  # each group's window (0: keeps every block)
 
     @property
     def verdict(self) -> str:
@@ -103,6 +127,8 @@ class SimStep:
     preempted: tuple[str, ...]
     finished: tuple[str, ...]
     arrived: tuple[str, ...] = field(default=())
+    kv_blocks_by_group: tuple[int, ...] = ()  # blocks each KV cache group holds after the step
+    kv_group_windows: tuple[int, ...] = ()  # each group's window (0: keeps every block)
 
 
 def _check(
@@ -131,6 +157,15 @@ def _check(
         raise ValueError(
             f"decodes_crossing must be between 0 and running ({running}), got {decodes_crossing}"
         )
+
+
+def kv_groups(
+    layer_types: tuple[str, ...] | None, sliding_window: int | None
+) -> list[KVCacheGroupSpec] | None:
+    """The KV cache groups the real manager forms for this layer pattern (None: one group)."""
+    if layer_types is None:
+        return None
+    return get_kv_cache_groups(tuple(layer_types), sliding_window)
 
 
 class _Tokens:
@@ -166,6 +201,7 @@ def _build(
     prefix_caching: bool,
     tokens: _Tokens,
     decodes_crossing: int = 0,
+    groups: list[KVCacheGroupSpec] | None = None,
 ) -> Scheduler:
     """A real scheduler with `running` decodes in flight and exactly `free_blocks` free blocks.
 
@@ -173,12 +209,18 @@ def _build(
     prompt fits in one block. The first `decodes_crossing` prompts fill their block exactly, so
     the sampled token's slot is in a block not yet allocated; the others are shorter, so the next
     token's slot is already theirs (mid-block), and their lengths are staggered so that, over
-    many steps, they cross block boundaries at different steps.
+    many steps, they cross block boundaries at different steps. With several KV cache groups each
+    decode holds its block in every group, and a window's null block is set aside too.
     """
-    num_blocks = running + free_blocks
-    kv = KVCacheManager(max(num_blocks, 1), block_size, enable_caching=prefix_caching)
+    num_groups = len(groups) if groups else 1
+    reserved = int(bool(groups) and needs_null_block(groups))
+    num_blocks = running * num_groups + free_blocks
+    kv = KVCacheManager(
+        max(num_blocks, num_groups) + reserved, block_size, enable_caching=prefix_caching,
+        kv_cache_groups=groups,
+    )  # fmt: skip
     if num_blocks == 0:
-        # A pool needs a block: hold the only one outside the scheduler.
+        # A pool needs a block (one per group): hold them outside the scheduler.
         filler = Request(_FILLER_ID, tokens.take(1), _NO_LIMIT, None, block_size)
         kv.allocate_slots(filler, 1)
     lengths = [
@@ -220,6 +262,7 @@ def _prefill_with_room(
     block_size: int,
     max_num_seqs: int,
     decodes_crossing: int,
+    groups: list[KVCacheGroupSpec] | None = None,
 ) -> tuple[list[int], int]:
     """Step a copy of the state, with room for everything, until the waiting prompt is prefilled.
 
@@ -230,7 +273,7 @@ def _prefill_with_room(
     """
     tokens = _Tokens()
     decode_growth = running * (cdiv(MAX_CHUNK_STEPS, block_size) + 1)
-    room = cdiv(prompt_len, block_size) + decode_growth
+    room = (cdiv(prompt_len, block_size) + decode_growth) * (len(groups) if groups else 1)
     scheduler = _build(
         running,
         room,
@@ -240,6 +283,7 @@ def _prefill_with_room(
         False,
         tokens,
         decodes_crossing,
+        groups,
     )
     waiting = Request(_WAITING_ID, tokens.take(prompt_len), _NO_LIMIT, None, block_size)
     scheduler.add_request(waiting)
@@ -268,13 +312,17 @@ def simulate_step(
     max_num_seqs: int = 256,
     *,
     decodes_crossing: int = 0,
+    layer_types: tuple[str, ...] | None = None,
+    sliding_window: int | None = None,
 ) -> StepResult:
     """One real `schedule()` of the walkthrough state; see the module docstring."""
     _check(running, prompt_len, free_blocks, budget, block_size, max_num_seqs, decodes_crossing)
+    groups = kv_groups(layer_types, sliding_window)
     tokens = _Tokens()
     scheduler = _build(
-        running, free_blocks, budget, block_size, max_num_seqs, False, tokens, decodes_crossing
-    )
+        running, free_blocks, budget, block_size, max_num_seqs, False, tokens, decodes_crossing,
+        groups,
+    )  # fmt: skip
     kv = scheduler.kv
     waiting = Request(_WAITING_ID, tokens.take(prompt_len), _NO_LIMIT, None, block_size)
     scheduler.add_request(waiting)
@@ -292,7 +340,7 @@ def simulate_step(
     chunks: list[int] = []
     if prefill_budget > 0:
         chunks, room_first_blocks = _prefill_with_room(
-            running, prompt_len, budget, block_size, max_num_seqs, decodes_crossing
+            running, prompt_len, budget, block_size, max_num_seqs, decodes_crossing, groups
         )
         if not admitted and chunks:
             first_chunk, first_chunk_blocks = chunks[0], room_first_blocks
@@ -316,6 +364,8 @@ def simulate_step(
         kv_free_after=stats.kv_free_after,
         decodes_new_block=_decodes_new_block(output),
         preempted=stats.preempted,
+        kv_blocks_by_group=stats.kv_blocks_by_group,
+        kv_group_windows=stats.kv_group_windows,
     )
 
 
@@ -332,6 +382,8 @@ def simulate_steps(
     repeat_prompt_at: int | None = None,
     prefix_caching: bool = True,
     decodes_crossing: int = 0,
+    layer_types: tuple[str, ...] | None = None,
+    sliding_window: int | None = None,
 ) -> list[SimStep]:
     """Run the walkthrough state for `num_steps` real steps.
 
@@ -345,6 +397,7 @@ def simulate_steps(
         raise ValueError(f"num_steps must be at least 1, got {num_steps}")
     if output_len < 1:
         raise ValueError(f"output_len must be at least 1, got {output_len}")
+    groups = kv_groups(layer_types, sliding_window)
     tokens = _Tokens()
     scheduler = _build(
         running,
@@ -355,6 +408,7 @@ def simulate_steps(
         prefix_caching,
         tokens,
         decodes_crossing,
+        groups,
     )
     params = SamplingParams(max_tokens=output_len, temperature=0.0)
     prompt = tokens.take(prompt_len)
@@ -393,6 +447,8 @@ def simulate_steps(
                 preempted=stats.preempted,
                 finished=tuple(sorted(finished_before - set(scheduler.requests))),
                 arrived=tuple(r.request_id for r in arrived),
+                kv_blocks_by_group=stats.kv_blocks_by_group,
+                kv_group_windows=stats.kv_group_windows,
             )
         )
     return steps

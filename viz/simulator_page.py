@@ -4,6 +4,9 @@ by the real scheduler.
 Three sliders (running decode requests, waiting prompt length, free KV blocks) plus the step's
 settings and the worked examples' presets drive `simulator.simulate_step` (one real `schedule()`)
 and `simulator.simulate_steps` (many real steps), whose answers are shown as readouts and charts.
+A layer pattern picks the KV cache groups: all full attention (one group), or Gemma 3's five
+sliding-window layers to one full-attention layer, whose many-steps run adds a chart of the
+blocks each group holds.
 """
 
 from __future__ import annotations
@@ -16,10 +19,18 @@ import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, LinearAxis, Range1d, Span
 from bokeh.plotting import figure
 
-from stepscope.viz.charts import interval_bars, preemption_marks, token_bars, token_hover
+from stepscope.viz.charts import (
+    interval_bars,
+    kv_group_figure,
+    preemption_marks,
+    token_bars,
+    token_hover,
+)
+from stepscope.viz.engine_data import kv_group_labels, kv_group_series
 from stepscope.viz.simulator import (
     GROUP_A,
     GROUP_B,
+    LAYER_PATTERNS,
     WALKTHROUGH_SETTINGS,
     SimStep,
     StepResult,
@@ -44,7 +55,21 @@ PRESETS: dict[str, dict[str, int]] = {
         "output_len": 16,
         "repeat_at": 4,
     },
+    "Gemma 3 layers: windows give blocks back": {
+        "budget": 256,
+        "block_size": 32,
+        "max_num_seqs": 256,
+        "running": 2,
+        "prompt_len": 2000,
+        "free_blocks": 800,
+        "num_steps": 40,
+        "output_len": 32,
+        "repeat_at": 12,
+    },
 }
+# The layer pattern a preset sets (the others keep the one chosen).
+PRESET_LAYERS = {"Gemma 3 layers: windows give blocks back": list(LAYER_PATTERNS)[1]}
+GROUPS_TITLE = "Many steps: KV blocks each KV cache group holds"
 
 
 class SimulatorPage:
@@ -71,6 +96,10 @@ class SimulatorPage:
         self.budget = number("Token budget", "sim-budget", 1, 65536, 2048, step=64)
         self.block_size = number("Block size", "sim-block-size", 2, 1024, 64, step=16)
         self.max_num_seqs = number("max_num_seqs", "sim-max-seqs", 1, 8192, 256)
+        self.layers = pn.widgets.Select(
+            label="Layer pattern (KV cache groups)", options=list(LAYER_PATTERNS),
+            css_classes=["sim-layers"], width=300,
+        )  # fmt: skip
         self.presets = [
             pn.widgets.Button(label=name, color="primary", variant="outline") for name in PRESETS
         ]
@@ -96,6 +125,14 @@ class SimulatorPage:
         self.preempt_source = ColumnDataSource(dict(step=[], y=[], label=[]))
         self.hit_source = ColumnDataSource(dict(step=[], y=[], label=[]))
         self.steps_fig, self.budget_line = self._steps_figure()
+        self.groups_source = ColumnDataSource(dict(xs=[], ys=[], label=[], color=[]))
+        self.groups_fig = kv_group_figure(GROUPS_TITLE, self.groups_source)
+        self.groups_fig.x_range = self.steps_fig.x_range
+        # Shown whole or not at all (a Bokeh pane's visibility follows its figure's).
+        self.groups_box = pn.Column(
+            pn.pane.Bokeh(self.groups_fig, sizing_mode="stretch_width"),
+            sizing_mode="stretch_width", visible=False, css_classes=["sim-kv-groups"],
+        )  # fmt: skip
         self.steps_table = new_table(height=320, layout="fit_data_fill")
         self.story = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
         self.error = pn.pane.Alert("", alert_type="danger", visible=False)
@@ -108,6 +145,7 @@ class SimulatorPage:
             self.budget,
             self.block_size,
             self.max_num_seqs,
+            self.layers,
         ]
         multi = [self.num_steps, self.output_len, self.repeat, self.repeat_at, self.prefix_caching]
         for widget in one_step + multi:
@@ -207,6 +245,7 @@ class SimulatorPage:
             self.prompt_len,
             self.free_blocks,
             pn.Row(self.budget, self.block_size, self.max_num_seqs),
+            self.layers,
             sizing_mode="stretch_width",
         )
         intro = pn.pane.Markdown(
@@ -235,7 +274,10 @@ class SimulatorPage:
                 "`update_from_output()` with stand-in sampled tokens): the prompt `p0` is "
                 "prefilled in chunks, decodes cross into new blocks, a second request `p1` with "
                 "the same prompt hits the prefix cache, and when the pool runs dry the "
-                "last-admitted request is preempted and recomputed later.",
+                "last-admitted request is preempted and recomputed later. With Gemma 3's "
+                "layers, the blocks each KV cache group holds: the sliding-window groups stay "
+                "flat, giving back what their window left behind, while the full-attention "
+                "group grows with every chunk.",
                 sizing_mode="stretch_width",
             ),
             pn.Row(
@@ -247,6 +289,7 @@ class SimulatorPage:
             ),
             self.error,
             self.steps_fig,
+            self.groups_box,
             self.story,
             self.steps_table,
             sizing_mode="stretch_width",
@@ -273,6 +316,8 @@ class SimulatorPage:
                     widget.value = preset[key]
             if "repeat_at" in preset:
                 self.repeat.value = True
+            if name in PRESET_LAYERS:
+                self.layers.value = PRESET_LAYERS[name]
         finally:
             self._holding = False
         self.update()
@@ -291,12 +336,20 @@ class SimulatorPage:
             max_num_seqs=self.max_num_seqs.value or 1,
         )
 
+    def _pattern(self) -> dict[str, Any]:
+        """The chosen layer pattern as `simulate_step`'s `layer_types` and `sliding_window`."""
+        pattern = LAYER_PATTERNS[self.layers.value]
+        if pattern is None:
+            return {}
+        return dict(layer_types=pattern[0], sliding_window=pattern[1])
+
     def update(self) -> None:
         settings = self._settings()
         try:
-            result = simulate_step(**settings)
+            result = simulate_step(**settings, **self._pattern())
             steps = simulate_steps(
                 **settings,
+                **self._pattern(),
                 num_steps=self.num_steps.value or 1,
                 output_len=self.output_len.value or 1,
                 repeat_prompt_at=self.repeat_at.value if self.repeat.value else None,
@@ -321,6 +374,8 @@ class SimulatorPage:
             verdict, cls = f"short by {r.blocks_short} blocks", "bad"
         chunks = "-" if r.num_chunks is None else str(r.num_chunks)
         cmp = "≤" if r.first_chunk_blocks <= r.free_blocks else ">"
+        num_groups = len(r.kv_blocks_by_group)
+        groups = f"{num_groups} KV cache groups × " if num_groups > 1 else ""
         free_now = r.free_blocks  # decodes sit mid-block: they take none of these
         formula = (
             f'<div class="ss-formula">'
@@ -328,7 +383,7 @@ class SimulatorPage:
             f"prefill budget = {r.budget} − {r.decode_tokens} = {r.prefill_budget}<br>"
             f"first chunk = min(prompt {r.prompt_len}, {r.prefill_budget}) = {r.first_chunk}"
             f"; chunks = ⌈{r.prompt_len} / {r.prefill_budget}⌉ = {chunks}<br>"
-            f"blocks = ⌈{r.first_chunk} / {r.block_size}⌉ = {r.first_chunk_blocks} {cmp} "
+            f"blocks = {groups}⌈{r.first_chunk} / {r.block_size}⌉ = {r.first_chunk_blocks} {cmp} "
             f"{free_now} free; running {r.running} vs max_num_seqs {r.max_num_seqs} "
             f"→ <b>{html.escape(r.verdict)}</b></div>"
         )
@@ -403,7 +458,16 @@ class SimulatorPage:
         self.steps_fig.y_range.end = budget * 1.25
         max_free = max([s.kv_free_before for s in steps] + [1])
         self.steps_fig.extra_y_ranges["blocks"].end = max_free * 1.1
-        self.steps_table.value = pd.DataFrame(
+        by_group = pd.DataFrame(
+            {
+                "step": [s.step for s in steps],
+                "kv_blocks_by_group": [s.kv_blocks_by_group for s in steps],
+                "kv_group_windows": [s.kv_group_windows for s in steps],
+            }
+        )
+        self.groups_source.data = kv_group_series(by_group)
+        self.groups_box.visible = bool(self.groups_source.data["xs"])
+        table = pd.DataFrame(
             {
                 "step": [s.step for s in steps],
                 "arrived": [", ".join(s.arrived) for s in steps],
@@ -419,6 +483,9 @@ class SimulatorPage:
                 "finished": [", ".join(s.finished) for s in steps],
             }
         )
+        if self.groups_box.visible:
+            table["blocks per group"] = [" · ".join(map(str, s.kv_blocks_by_group)) for s in steps]
+        self.steps_table.value = table
         self.story.object = _story(steps)
 
 
@@ -451,6 +518,24 @@ def _story(steps: list[SimStep]) -> str:
             )
         if s.finished:
             lines.append(f"step {s.step}: finished {', '.join(s.finished)}")
+    lines.extend(_groups_story(steps))
     if not lines:
         return ""
     return '<div class="ss-formula">' + "<br>".join(lines) + "</div>"
+
+
+def _groups_story(steps: list[SimStep]) -> list[str]:
+    """With several KV cache groups: how far each group grew over the run (groups that held the
+    same blocks at every step, as a window's groups do, in one line)."""
+    if not steps or len(steps[-1].kv_blocks_by_group) < 2:
+        return []
+    last = steps[-1]
+    labels = kv_group_labels(last.kv_group_windows, len(last.kv_blocks_by_group))
+    alike: dict[tuple[int, ...], list[str]] = {}
+    for k, label in enumerate(labels):
+        alike.setdefault(tuple(s.kv_blocks_by_group[k] for s in steps), []).append(label)
+    return [
+        f"{html.escape(' = '.join(names))}: {held[0]} blocks at step 0, at most {max(held)}, "
+        f"{held[-1]} at the end"
+        for held, names in alike.items()
+    ]

@@ -18,7 +18,7 @@ from stepscope.traces.backend.collector_process import (
 from stepscope.traces.backend.source import CollectorSource
 from stepscope.viz.dashboard import DASHBOARD_PORT_ENV, MOUNT_EXTENSION
 from stepscope.viz.request_path import stage_occurrences
-from stepscope.viz.simulator import simulate_step
+from stepscope.viz.simulator import GEMMA3_LAYERS, simulate_step
 from tests.viz.conftest import free_port, wait_http
 from tests.viz.trace_factory import record_workload
 
@@ -133,7 +133,19 @@ def test_simulator_sliders_drive_the_real_scheduler(empty_page, artifacts):
     page.expect_text("ro-verdict", "blocked by max seqs")
     page.page.locator(".bk-btn", has_text="Small pool").click()
     _expect_readouts(page, 4, 480, 36, budget=128, block_size=16)
+    assert not page.page.locator(".sim-kv-groups").is_visible()  # one KV cache group
     page.screenshot(artifacts / "simulator.png")
+
+    # Gemma 3's layers: six KV cache groups, and a chart of the blocks each holds.
+    page.page.locator(".bk-btn", has_text="Gemma 3 layers").click()
+    gemma = dict(budget=256, block_size=32, layer_types=GEMMA3_LAYERS, sliding_window=512)
+    _expect_readouts(page, 2, 2000, 800, **gemma)
+    from playwright.sync_api import expect
+
+    expect(page.page.locator(".sim-kv-groups canvas").first).to_be_visible(timeout=TIMEOUT_MS)
+    expect(page.page.get_by_text("full attention: 10 blocks at step 0")).to_be_visible()
+    page.page.locator(".sim-kv-groups").scroll_into_view_if_needed()
+    page.screenshot(artifacts / "simulator-kv-groups.png")
     page.assert_only_local()
 
 
@@ -183,6 +195,7 @@ def test_engine_page_replays_the_trace_and_opens_a_request(replay_page, artifact
     from playwright.sync_api import expect
 
     expect(page.page.locator("#replay-step")).to_contain_text("step 3:", timeout=TIMEOUT_MS)
+    assert not page.page.locator(".eng-kv-groups").is_visible()  # a one-group model's run
     page.screenshot(artifacts / "engine.png")
 
     row = page.page.locator(".request-table .tabulator-row").nth(2)

@@ -11,8 +11,10 @@ import time
 import pytest
 
 from stepscope.viz.simulator import (
+    GEMMA3_LAYERS,
     GROUP_A,
     GROUP_B,
+    LAYER_PATTERNS,
     MAX_CHUNK_STEPS,
     WALKTHROUGH_SETTINGS,
     simulate_step,
@@ -220,3 +222,53 @@ def test_finished_requests_free_their_blocks():
     assert len(done) == 1
     after = steps[done[0].step + 1]
     assert after.kv_free_before > done[0].kv_free_after
+
+
+GEMMA3 = dict(layer_types=GEMMA3_LAYERS, sliding_window=512)
+# A 2,000-token prompt chunked by a 256-token budget, then decoding, beside two running decodes.
+HYBRID_RUN = dict(
+    running=2, prompt_len=2000, free_blocks=800, budget=256, block_size=32, num_steps=40,
+    output_len=32, repeat_prompt_at=12,
+)  # fmt: skip
+
+
+def test_gemma3_pattern_is_one_full_attention_group_and_five_sliding_window_groups():
+    assert LAYER_PATTERNS["Gemma 3: 5 local : 1 global, window 512"] == (GEMMA3_LAYERS, 512)
+    steps = simulate_steps(**HYBRID_RUN, **GEMMA3)
+    assert all(s.kv_group_windows == (0, 512, 512, 512, 512, 512) for s in steps)
+    assert all(len(s.kv_blocks_by_group) == 6 for s in steps)
+
+
+def test_sliding_window_groups_stay_within_the_window_while_full_attention_grows():
+    steps = simulate_steps(**HYBRID_RUN, **GEMMA3)
+    window_blocks = math.ceil(512 / 32) + 1
+    decoding = [s for s in steps if s.prefill_tokens == 0]
+    assert len(decoding) >= 10, "the prompts must be prefilled well before the run ends"
+    for s in decoding:
+        for held in s.kv_blocks_by_group[1:]:
+            assert held <= window_blocks * s.num_running, s
+    full = [s.kv_blocks_by_group[0] for s in steps]
+    # The full-attention group keeps every block of the 2,000-token prompt; a window keeps a
+    # fraction of it.
+    assert full[-1] >= math.ceil(2000 / 32) and full[-1] > 2 * full[0]
+    assert max(s.kv_blocks_by_group[1] for s in decoding) < full[-1] / 2
+    # The groups' blocks are the pool's used blocks (the null block aside).
+    for s in steps:
+        assert sum(s.kv_blocks_by_group) == 2 * 6 + 800 - s.kv_free_after
+
+
+def test_all_full_attention_is_the_one_group_simulator_of_before():
+    default = simulate_steps(**HYBRID_RUN)
+    assert default == simulate_steps(**HYBRID_RUN, layer_types=("full_attention",) * 4)
+    assert all(len(s.kv_blocks_by_group) == 1 and s.kv_group_windows == (0,) for s in default)
+    assert simulate_step(**GROUP_A) == simulate_step(**GROUP_A, layer_types=None)
+
+
+def test_one_hybrid_step_takes_the_first_chunks_blocks_in_every_group():
+    r = simulate_step(running=4, prompt_len=1000, free_blocks=200, budget=256, block_size=32,
+                      **GEMMA3)  # fmt: skip
+    assert r.admitted and r.first_chunk == 252
+    assert r.first_chunk_blocks == 6 * math.ceil(252 / 32)
+    # Four decodes hold one block in each group; the prompt its first chunk's.
+    assert r.kv_blocks_by_group == (4 + 8,) * 6
+    assert r.kv_free_after == 200 - r.first_chunk_blocks
