@@ -171,10 +171,65 @@ def test_gemma_3_270m_equals_transformers_on_the_same_gguf(gemma3_270m_reference
     assert ids[0] == tokenizer.bos_token_id  # <bos>, as transformers adds it
     with torch.inference_mode():
         want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    llm = LLM(model="gemma-3-270m", dtype="float32", quantization=None, num_kv_blocks=64)
-    out = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
-    assert out.prompt_token_ids == ids  # a plain string tokenized as transformers does
-    assert out.outputs[0].token_ids == want[0, len(ids) :].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    # Dequantized; then through the GGUF's own blocks at every step (float32 activations: the
+    # quantized path's accuracy measurement, docs/benchmarks.md, kept SmolLM2's greedy tokens).
+    for quantization in (None, "gguf"):
+        llm = LLM(model="gemma-3-270m", dtype="float32", quantization=quantization,
+                  quantized_max_tokens=None, num_kv_blocks=64)  # fmt: skip
+        out = llm.generate([text], params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids  # a plain string tokenized as transformers does
+        assert out.outputs[0].token_ids == want[0, len(ids) :].tolist(), quantization
+        llm.shutdown()
+
+
+@pytest.mark.slow  # the GGUF's 236 tensors dequantized once more (the fixture's model shared)
+def test_gemma_3_270m_weights_equal_transformers_reading_of_the_gguf(gemma3_270m_reference):
+    """Every tensor by transformers' name, the norms with llama.cpp's added 1 taken off: the
+    dequantized weights and the repacked blocks' values equal transformers' exactly."""
+    from stepscope.engine.layers.quantization import QuantizedWeight
+    from stepscope.engine.models.gguf import load_gguf_weights
+    from stepscope.engine.models.loader import resolve_model
+
+    reference = gemma3_270m_reference[1].state_dict()
+    reference.pop("lm_head.weight")  # tied to the embeddings
+    folder = resolve_model("gemma-3-270m")
+    dequantized = load_gguf_weights(folder, quantized=False)
+    blocks = load_gguf_weights(folder, quantized=True)
+    assert set(dequantized) == set(blocks) == set(reference)
+    for name, want in reference.items():
+        assert torch.equal(dequantized[name], want), name
+        got = blocks[name]
+        assert torch.equal(got.dequantize() if isinstance(got, QuantizedWeight) else got, want)
+    assert isinstance(blocks["model.layers.0.mlp.down_proj.weight"], QuantizedWeight)
+
+
+@pytest.mark.slow  # three 1,500-token prompts in float32 through both (about 2 minutes)
+def test_gemma_3_270m_long_prompts_chunked_and_preempted_equal_transformers(
+    gemma3_270m_reference,
+):
+    """Prompts three times the 512-token window, prefilled in 512-token chunks, in a pool that
+    holds every group's table of one request at a time (the sliding groups giving back what
+    their window left): transformers' greedy tokens, after preemptions."""
+    from pathlib import Path
+
+    tokenizer, model = gemma3_270m_reference
+    ids = tokenizer.encode((Path(__file__).parents[3] / "docs" / "architecture.md").read_text())
+    bos, n = ids[0], 1500
+    prompts = [[bos, *ids[1 + start : start + n]] for start in (0, 1000, 2000)]
+    with torch.inference_mode():
+        want = [
+            model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, n:].tolist()
+            for p in prompts
+        ]
+    # Six groups (one of the three global layers, five of three local ones), 96 blocks each.
+    llm = LLM(model="gemma-3-270m", dtype="float32", quantization=None,
+              num_kv_blocks=6 * 96 + 1, max_num_batched_tokens=512)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    llm.shutdown()
 
 
 @pytest.mark.slow  # transformers converts the GGUF's 262,144-token vocabulary (about 30 s)
