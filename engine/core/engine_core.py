@@ -23,6 +23,7 @@ from stepscope.engine.config import Endpoints, EngineConfig, check_no_chunk_budg
 from stepscope.engine.core.kv_cache_manager import KVCacheManager
 from stepscope.engine.core.kv_cache_utils import (
     KVCacheGroupSpec,
+    cdiv,
     kv_cache_groups_for,
     needs_null_block,
 )
@@ -84,28 +85,58 @@ def max_model_len_for(config: EngineConfig, model_dir: Path) -> int:
     return asked
 
 
+def request_blocks(
+    num_blocks: int, groups: list[KVCacheGroupSpec] | None, block_size: int, max_chunk: int
+) -> int:
+    """The most blocks a request of `num_blocks` blocks of tokens holds at once, over every
+    group: all of them in a full-attention group; in a group that frees what its window left
+    behind, those its window and a chunk of up to `max_chunk` tokens span (vLLM's
+    `SlidingWindowSpec.max_memory_usage_bytes`), never more than all of them."""
+    if not groups:
+        return num_blocks
+    total = 0
+    for g in groups:
+        if g.frees_outside_window:
+            span = cdiv(g.sliding_window - 1 + max_chunk, block_size) + 1
+            total += min(num_blocks, span)
+        else:
+            total += num_blocks
+    return total
+
+
 def fit_max_model_len(
     model_len: int,
     num_kv_blocks: int,
     block_size: int,
     explicit: int | None,
     groups: list[KVCacheGroupSpec] | None = None,
+    max_chunk: int | None = None,
 ) -> int:
     """The longest request the KV pool can hold alone, as the engine's context length.
 
     A request longer than the pool could never be admitted (or, grown there by decoding, never
     re-admitted after preempting itself), and the busy loop would spin on it for good. As vLLM
     does, a context the user asked for is refused; the model's own default is lowered to fit.
-    With several KV cache groups, each group's table is counted whole (a prompt's chunk fills
-    every group's blocks before a window frees any), and the null block is not usable.
+    With several KV cache groups a request holds `request_blocks` (a sliding-window group only
+    what its window and the largest chunk, `max_chunk` tokens, span; None: the whole request in
+    one chunk), and the null block is not usable.
     """
-    num_groups = len(groups) if groups else 1
     reserved = int(bool(groups) and needs_null_block(groups))
-    capacity = max(num_kv_blocks - reserved, 0) // num_groups * block_size
+    usable = max(num_kv_blocks - reserved, 0)
+    chunk = model_len if max_chunk is None else max_chunk
+
+    def fits(n: int) -> bool:
+        return request_blocks(n, groups, block_size, chunk) <= usable
+
+    low, high = 0, cdiv(model_len, block_size)  # the most whole blocks that fit: binary search
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    capacity = min(low * block_size, model_len)
     if model_len <= capacity:
         return model_len
     if explicit is not None:
-        least = -(-explicit // block_size) * num_groups + reserved
+        least = request_blocks(cdiv(explicit, block_size), groups, block_size, chunk) + reserved
         raise ValueError(
             f"max_model_len {explicit} does not fit in the KV cache: {num_kv_blocks} blocks of "
             f"{block_size} tokens hold {capacity} tokens; raise num_kv_blocks to at least "
@@ -140,6 +171,7 @@ class EngineCore:
         self.max_model_len = fit_max_model_len(
             model_len, self.num_kv_blocks, cache.block_size,
             explicit=config.model_config.max_model_len, groups=self.kv_cache_groups,
+            max_chunk=sched.max_num_batched_tokens if sched.enable_chunked_prefill else None,
         )  # fmt: skip
         try:
             check_no_chunk_budget(sched, self.max_model_len)  # the length the model allows

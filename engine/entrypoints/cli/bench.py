@@ -19,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_latency(bench_sub)
     _add_accuracy(bench_sub)
     _add_whatif(bench_sub)
+    _add_hybrid_kv(bench_sub)
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -290,3 +291,30 @@ def _bench_whatif(args: argparse.Namespace) -> int:
     from stepscope.viz import whatif  # engine/ sits below viz/: the predictor is handed in
 
     return bench_whatif(args, whatif)
+
+
+def _add_hybrid_kv(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "hybrid-kv",
+        help="one KV pool, the hybrid KV cache manager on and off: requests at once, throughput",
+    )
+    p.add_argument("--model", default="gemma-3-270m", help="a model with sliding-window layers")
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument(
+        "--pool-requests",
+        type=int,
+        default=4,
+        help="the pool's bytes: this many requests whole with every layer keeping every block",
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=1, help="rounds, the order alternating")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_bench_hybrid_kv)
+
+
+def _bench_hybrid_kv(args: argparse.Namespace) -> None:
+    from stepscope.engine.bench.hybrid_kv import bench_hybrid_kv
+
+    bench_hybrid_kv(args)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+
 from stepscope.engine.core.kv_cache_manager import KVCacheManager, cdiv
 from stepscope.engine.core.kv_cache_utils import (
     FULL_ATTENTION,
@@ -283,6 +285,12 @@ def test_context_fit_counts_every_groups_table_and_the_null_block() -> None:
     assert fit_max_model_len(4096, 6 * 128 + 1, BS, None, groups) == 128 * BS
     assert fit_max_model_len(4096, 6 * 128, BS, None, groups) == 127 * BS
     assert fit_max_model_len(4096, 128, BS, None, None) == 128 * BS  # one table, as before
+    # Chunks of at most 256 tokens: each of the five sliding groups holds at most the blocks its
+    # window and a chunk span, cdiv(511 + 256, 16) + 1 = 49, and the full group the rest.
+    assert fit_max_model_len(4096, 6 * 128 + 1, BS, None, groups, max_chunk=256) == 4096
+    assert fit_max_model_len(8192, 400 + 5 * 49 + 1, BS, None, groups, max_chunk=256) == 400 * BS
+    with pytest.raises(ValueError, match=f"at least {500 + 5 * 49 + 1} "):
+        fit_max_model_len(8192, 400 + 5 * 49 + 1, BS, 500 * BS, groups, max_chunk=256)
 
 
 def test_random_traffic_keeps_ref_counts_and_window_bounds_in_every_group() -> None:
