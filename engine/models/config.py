@@ -92,8 +92,7 @@ class ModelShape:
         """The shape of a config.json's contents; ValueError names what is not supported."""
         model_type = cfg.get("model_type", "llama")
         if model_type == "gemma3":  # the multimodal wrapper: its text model
-            cfg = {**cfg.get("text_config", {}), "model_type": "gemma3_text"}
-            model_type = "gemma3_text"
+            cfg, model_type = gemma3_text_config(cfg), "gemma3_text"
         if model_type not in FAMILIES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported: stepscope runs "
@@ -165,6 +164,12 @@ def _refuse_unimplemented(cfg: dict, model_type: str) -> None:
         refuse(field, "every layer attends to the whole context (no sliding window)")
     if cfg.get("pretraining_tp", 1) not in (1, None):
         refuse("pretraining_tp", "transformers' split projections are not implemented")
+
+
+def gemma3_text_config(cfg: dict) -> dict:
+    """A multimodal Gemma 3 config's text model (`text_config`), with Gemma3TextConfig's
+    defaults for the fields it leaves out."""
+    return {**GEMMA3_DEFAULTS, **cfg.get("text_config", {}), "model_type": "gemma3_text"}
 
 
 def _gemma3_shape(cfg: dict) -> ModelShape:

@@ -15,6 +15,9 @@
   vLLM passes it; transformers' Gemma 3 leaves it out, and every Gemma 3 config sets none) and
   final logits soft-capped (tanh(logits / cap) * cap) where the config sets them.
 
+A multimodal folder (Gemma3ForConditionalGeneration) runs its text model: its weights are read
+under the text model's names (`text_weights`), its vision tower left unread.
+
 Numerics follow transformers' Gemma3ForCausalLM op for op, so float32 greedy tokens match its
 `generate`. The fused decode kernel (fused_decode.py) runs Llama's layer, never this one.
 """
@@ -30,6 +33,25 @@ from stepscope.engine.models.config import SLIDING
 from stepscope.engine.models.llama import LlamaLayer, LlamaModel, _quantized, _to
 
 NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+# A multimodal checkpoint's (Gemma3ForConditionalGeneration) names for its text model's weights;
+# its vision tower and projector are not read.
+TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+
+
+def text_weights(weights: dict) -> dict:
+    """The text model's weights under Gemma3ForCausalLM's names, from either kind of folder."""
+    if not any(name.startswith(("language_model.", "model.language_model.")) for name in weights):
+        return weights
+    out = {}
+    for name, tensor in weights.items():
+        for old, new in TEXT_PREFIXES:
+            if name.startswith(old):
+                out[new + name.removeprefix(old)] = tensor
+    return out
 
 
 def _one_plus(weight: torch.Tensor) -> torch.Tensor:
@@ -55,6 +77,7 @@ class Gemma3Model(LlamaModel):
 
     def __init__(self, shape, weights, attn, device, dtype, *args, **kwargs) -> None:
         kwargs["fused_decode"] = False  # the fused kernel runs Llama's layer
+        weights = text_weights(weights)
         super().__init__(shape, weights, attn, device, dtype, *args, **kwargs)
         self.norm = _one_plus(self.norm)
         # transformers multiplies by the scale as a tensor of the weights' dtype.

@@ -275,7 +275,14 @@ def _make_tiny_llama(out: Path) -> None:
 
 
 def load_config(model_dir: Path) -> dict:
-    return json.loads((model_dir / "config.json").read_text())
+    """config.json's contents; for a multimodal Gemma 3 folder, its text model's config (the
+    vocabulary and positions the engine runs)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("model_type") == "gemma3":
+        from stepscope.engine.models.config import gemma3_text_config
+
+        return gemma3_text_config(cfg)
+    return cfg
 
 
 def load_weights(model_dir: Path, quantization: str | None = None) -> dict:

@@ -68,6 +68,43 @@ def test_prompts_longer_than_the_window_equal_transformers(gemma3, backend):
     assert [o.outputs[0].token_ids for o in outputs] == want
 
 
+def test_a_multimodal_gemma3_folder_runs_its_text_model(gemma3, tmp_path):
+    """A Gemma3ForConditionalGeneration folder (model_type gemma3, a text_config, the text
+    weights under language_model., a vision tower beside them): its text model's tokens, as
+    transformers generates them from the whole model."""
+    import shutil
+
+    import transformers
+
+    from tests.engine.models.checkpoints import COMMON, GEMMA3
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(text_config={**COMMON, **GEMMA3[1]}, vision_config=vision,
+                                       mm_tokens_per_image=4, initializer_range=0.2)  # fmt: skip
+    torch.manual_seed(4)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 0.5)
+    model.save_pretrained(tmp_path)
+    for path in gemma3.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(path, tmp_path / path.name)
+    prompts = _prompts(SHORT)
+    with torch.inference_mode():
+        want = [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    llm = LLM(model=str(tmp_path), num_kv_blocks=_pool(tmp_path, 6))
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+
+
 def test_prompt_logprobs_equal_transformers_with_final_soft_capping(gemma3):
     """Soft-capping leaves the argmax alone; the log-probabilities show it is applied."""
     from transformers import AutoModelForCausalLM
