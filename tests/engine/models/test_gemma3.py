@@ -317,3 +317,25 @@ def test_bfloat16_logprobs_agree_with_transformers_bfloat16(gemma3):
         lps = zip(out.prompt_logprobs[1:], prompt[1:], strict=True)
         gap = (torch.tensor([d[t] for d, t in lps]) - want[torch.bfloat16]).abs().max()
         assert gap == 0 if backend == "torch" else gap < bf16_error, (backend, gap)
+
+
+@pytest.mark.slow  # starts `stepscope serve` on the packaged checkpoint (about 15 s)
+def test_serve_gemma_3_270m_completes_and_refuses_chat():
+    """The named model served as it comes (its GGUF blocks, the dtype "auto" picks): a plain
+    completion, the prompt counted with <bos>; a chat request is the caller's 400, the
+    checkpoint having no chat template."""
+    import httpx
+
+    from tests.server_utils import served
+
+    with served("--model", "gemma-3-270m", "--num-kv-blocks", "256", "--no-trace") as server:
+        [model] = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+        body = {"model": "gemma-3-270m", "prompt": "The capital of France is", "max_tokens": 4,
+                "temperature": 0}  # fmt: skip
+        completion = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        chat = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "hi"}]}
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+    assert model["quantization"] == "gguf" and "Q4_K" in model["weight_format"]
+    assert completion["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+    assert completion["choices"][0]["text"].startswith(" the capital")
+    assert refused.status_code == 400 and "no chat template" in refused.text
