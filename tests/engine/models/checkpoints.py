@@ -81,13 +81,16 @@ GEMMA3 = (
 ALL_FAMILIES = {**FAMILIES, "gemma3": GEMMA3}
 
 
-def build_checkpoint(family: str, out: Path, seed: int = 0, shard: bool = False) -> Path:
-    """Save a tiny random `family` checkpoint into `out`; `shard` splits its weights over
-    several safetensors files with an index, as transformers saves large models."""
+def build_checkpoint(
+    family: str, out: Path, seed: int = 0, shard: bool = False, **overrides
+) -> Path:
+    """Save a tiny random `family` checkpoint into `out`, its config's fields changed by
+    `overrides`; `shard` splits its weights over several safetensors files with an index, as
+    transformers saves large models."""
     import transformers
 
     config_class, fields = ALL_FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**COMMON, **fields})
+    config = getattr(transformers, config_class)(**{**COMMON, **fields, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
     with torch.no_grad():  # transformers zeroes biases and sets norms to one: randomize them

@@ -68,6 +68,21 @@ def test_prompts_longer_than_the_window_equal_transformers(gemma3, backend):
     assert [o.outputs[0].token_ids for o in outputs] == want
 
 
+def test_tensor_parallel_2_gives_the_same_tokens(tmp_path):
+    """Two KV heads, one a rank: the q/k norms on each rank's heads, the post-attention and
+    post-MLP norms after the all-reduce."""
+    folder = build_checkpoint("gemma3", tmp_path / "gemma3", seed=6, num_key_value_heads=2)
+    prompts = _prompts(LONG)
+    llm = LLM(model=str(folder), executor="mp", tensor_parallel_size=2,
+              num_kv_blocks=_pool(folder, 6))  # fmt: skip
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    want = reference_tokens(folder, prompts, NEW_TOKENS)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+
+
 def test_a_multimodal_gemma3_folder_runs_its_text_model(gemma3, tmp_path):
     """A Gemma3ForConditionalGeneration folder (model_type gemma3, a text_config, the text
     weights under language_model., a vision tower beside them): its text model's tokens, as
