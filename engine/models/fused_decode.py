@@ -9,7 +9,8 @@ step size, runs the same kernels in the same order from C instead
 in Python. Each layer's weight addresses are gathered once, here.
 
 Where it does not apply (prefill or mixed steps, tensor parallelism, Qwen's q/k/v bias or q/k
-norms, dense weights, another backend), the Python forward runs, and `reason` says why.
+norms, Gemma 3's layers, several KV cache groups, dense weights, another backend), the Python
+forward runs, and `reason` says why.
 """
 
 from __future__ import annotations
