@@ -1,8 +1,8 @@
 """Checked exercises for the tutorials (stepscope.viz.exercises): each lesson's exercises end in
 `check("NN.k", answer=..., run=...)`, which measures the quantity the exercise asks about from the
 learner's own run and says whether the answer holds, and what the run shows when it does not.
-The checkers themselves, one small function per exercise, live in `exercises_00_04.py` and
-`exercises_05_09.py`, registered here by lesson and exercise number.
+The checkers themselves, one small function per exercise, live in `exercises_00_04.py`,
+`exercises_05_09.py` and `exercises_10_14.py`, registered here by lesson and exercise number.
 
 The right answer is never written into a notebook: a checker derives it from `run` (a trace, the
 `LLM` that recorded one, a table the lesson's code built, a simulator result), so it holds for the
@@ -78,7 +78,7 @@ def usage(key: str) -> str:
 
 def _registered() -> dict[str, Exercise]:
     """Every lesson's checkers (imported on first use: they import this module's helpers)."""
-    from stepscope.viz import exercises_00_04, exercises_05_09  # noqa: F401
+    from stepscope.viz import exercises_00_04, exercises_05_09, exercises_10_14  # noqa: F401
 
     return EXERCISES
 

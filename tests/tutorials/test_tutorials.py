@@ -1,4 +1,4 @@
-"""The JupyterLab tutorials (tutorials/): a quickstart and nine lessons on vLLM V1's request path.
+"""The JupyterLab tutorials (tutorials/): a quickstart and ten lessons on vLLM V1's request path.
 
 Each notebook is committed without outputs, has the parts of a lesson (a question first, a
 prediction, the code that decides the answer, the vLLM source it mirrors, a figure, exercises, a
@@ -22,7 +22,7 @@ from tools import render_tutorials
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = ROOT / "tutorials"
-LESSONS = [f"{i:02d}" for i in range(10)]  # the quickstart, then nine lessons
+LESSONS = [f"{i:02d}" for i in range(11)]  # the quickstart, then ten lessons
 
 
 RENDERER = render_tutorials

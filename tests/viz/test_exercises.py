@@ -1,6 +1,6 @@
 """The tutorials' checked exercises (viz/exercises.py): for every exercise, a right answer holds
 and a wrong one does not, each measured from a real run of the kind the lesson makes (the engine
-on tiny-llama, the real scheduler, the lesson's own tables), and check() without an answer only
+on tiny-llama or a tiny random Gemma 3, the real scheduler, the lesson's own tables), and check() without an answer only
 says how to call it. The runs that start processes are in the slow tier."""
 
 from __future__ import annotations
@@ -329,6 +329,49 @@ def test_09_3_control_characters_the_raw_bound_admits() -> None:
     assert not _is_grammar_accept_string(fixed, '{"city": "A\x1e", "rain": true, "mm": 0}')
     leaked = set(range(0x20)) - {0x0A, 0x0D}
     holds("09.3", leaked, set(), schema)
+
+
+# --- lesson 10: a tiny random Gemma 3 (five layers in a window of 24, one global) ------------
+
+
+@pytest.fixture(scope="module")
+def window_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, int], Path]:
+    """One 61-token prompt and 4 output tokens, hybrid on or off, by budget: each run's trace."""
+    from tests.engine.models.checkpoints import build_checkpoint
+
+    folder = tmp_path_factory.mktemp("window")
+    model = build_checkpoint("gemma3", folder / "gemma3", seed=3)
+    prompt = [(7 * j) % 4000 + 100 for j in range(61)]
+    traces = {}
+    for off, budget in ((False, 64), (True, 64), (False, 16)):
+        db = folder / f"{'off' if off else 'on'}-{budget}.duckdb"
+        with LLM(
+            model=str(model),
+            disable_hybrid_kv_cache_manager=off,
+            num_kv_blocks=16 if off else 64,
+            max_num_batched_tokens=budget,
+            trace_db=db,
+        ) as llm:
+            llm.generate([prompt], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
+        traces[off, budget] = db
+    return traces
+
+
+def test_10_1_blocks_per_group_in_the_last_step(window_runs: dict) -> None:
+    # The last decode computes token 64 from 63: the full group cdiv(64, 16) = 4 blocks, a
+    # sliding one 4 less the whole blocks before 63 - 24 + 1 = 40, i.e. 2.
+    holds("10.1", (4, 2), (4, 4), window_runs[False, 64])
+
+
+def test_10_2_a_sliding_group_holds_a_chunk_and_its_window(window_runs: dict) -> None:
+    # Chunks of 16: from 32 to 48 the group holds cdiv(48, 16) - (32 - 23) // 16 = 3 blocks, and
+    # from 48 to 61 cdiv(61, 16) - (48 - 23) // 16 = 3; decoding, 2.
+    holds("10.2", 3, 4, window_runs[False, 16])
+
+
+def test_10_3_blocks_in_all_on_and_off(window_runs: dict) -> None:
+    # On: 4 full-attention blocks and 2 in each of five sliding groups; off: one table of 4.
+    holds("10.3", (14, 4), (4, 4), (window_runs[False, 64], window_runs[True, 64]))
 
 
 # --- slow: engines in processes of their own, a server, whatif ------------------------------
