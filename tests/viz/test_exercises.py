@@ -1,7 +1,7 @@
 """The tutorials' checked exercises (viz/exercises.py): for every exercise, a right answer holds
 and a wrong one does not, each measured from a real run of the kind the lesson makes (the engine
-on tiny-llama or a tiny random Gemma 3, the real scheduler, the lesson's own tables), and check() without an answer only
-says how to call it. The runs that start processes are in the slow tier."""
+on tiny-llama or a tiny random Gemma 3, the real scheduler, the lesson's own tables), and check()
+without an answer only says how to call it. The runs that start processes are in the slow tier."""
 
 from __future__ import annotations
 
