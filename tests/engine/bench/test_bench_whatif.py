@@ -181,6 +181,11 @@ def test_ranking_by_p90_ttft_names_swaps_and_whether_the_replays_tell_them_apart
     assert "b / c swapped (within the replays' spread)" in line
     noisy = rank({"a": _p90(1.0, 1.3, 0.7), "b": _p90(2.0, 0.9, 1.0)})
     assert not noisy.same_order and noisy.same_beyond_spread
+    # Each pair's own two replays agree closely, but the workload's replays differ by 10% on
+    # average: 1.30 against 1.26 is within that, not told apart.
+    pooled = rank({"a": _p90(1.0, 1.30, 1.31), "b": _p90(2.0, 1.26, 1.27),
+                   "c": _p90(3.0, 3.0, 3.6), "d": _p90(4.0, 4.0, 4.7)})  # fmt: skip
+    assert pooled.swapped == [("a", "b", False)] and pooled.same_beyond_spread
 
 
 # ---- end to end --------------------------------------------------------------------------------
