@@ -73,7 +73,9 @@ class RequestPathPage:
 
     def __init__(self, source: TraceSource | None) -> None:
         self.source = source
-        self.select = pn.widgets.Select(label="Request", options={}, width=420)
+        self.select = pn.widgets.Select(
+            label="Request", options={}, width=420, css_classes=["path-request"]
+        )
         self.header = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
         self.stages = pn.pane.HTML(sizing_mode="stretch_width", stylesheets=[CSS])
         self.empty = pn.pane.Markdown(NO_TRACE if source is None else "", visible=False)

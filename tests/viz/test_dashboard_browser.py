@@ -171,7 +171,7 @@ def test_request_path_page_shows_ten_stages_of_a_real_request(
     page.page.locator("#ro-req-id").wait_for(timeout=TIMEOUT_MS)
     for stage in range(1, 11):
         assert page.page.locator(f"#stage-{stage}").is_visible()
-    select = page.page.locator("select").first
+    select = page.page.locator(".path-request select")  # not the simulator's layer pattern
     rid = info["preempted_request"]
     options = select.locator("option").all_inner_texts()
     select.select_option(label=next(o for o in options if o.startswith(f"{rid} ")))
