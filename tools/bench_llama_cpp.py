@@ -10,7 +10,8 @@ on SmolLM2's Q4_1 GGUF and the same thread count:
 - `gguf`: `stepscope serve` with its defaults (the GGUF's blocks as they are, bfloat16
   activations where the CPU runs them);
 - `float32`, `bfloat16`: `stepscope serve --quantization none --dtype ...` (dequantized);
-- any of them with `-async` (e.g. `gguf-async`): the same with `--async-scheduling`.
+- any of them with `-async` (e.g. `gguf-async`): the same with `--async-scheduling`; with `-uni`,
+  `--executor uni` (the worker inside the engine core's process, as vLLM runs a single GPU).
 Each row also gives the floor a one-stream decode cannot go under: the weight bytes a token
 reads in that format, at the memory bandwidth measured at the start of the run. Prints a
 markdown table for docs/benchmarks.md.
@@ -62,11 +63,11 @@ def server_command(name: str, concurrency: int) -> tuple[list[str], dict[str, st
         return cmd, env
     cmd = [sys.executable, "-m", "stepscope.engine.entrypoints.cli", "serve",
            "--model", DEFAULT_MODEL, "--no-trace", "--port", str(PORT)]  # fmt: skip
-    base = name.removesuffix("-async")
+    base, *options = name.split("-")
     if base != "gguf":
         cmd += ["--quantization", "none", "--dtype", base]
-    if name.endswith("-async"):
-        cmd += ["--async-scheduling"]
+    for option in options:
+        cmd += {"async": ["--async-scheduling"], "uni": ["--executor", "uni"]}[option]
     return cmd, env
 
 
@@ -79,7 +80,7 @@ def weight_bytes(name: str, cfg: dict) -> float:
                        cfg["vocab_size"])  # fmt: skip
     kv = cfg["num_key_value_heads"] * cfg.get("head_dim", h // cfg["num_attention_heads"])
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i
-    name = name.removesuffix("-async")
+    name = name.split("-")[0]
     blocks = {"llama.cpp": (20, 34), "gguf": (24, 40)}  # bytes per 32: layers, LM head (Q8_0)
     if name in blocks:
         layer_bytes, head_bytes = blocks[name]
