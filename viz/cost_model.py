@@ -193,13 +193,18 @@ def fit_cost_model(source: Queryable, small_max_tokens: int = 0) -> CostModel:
     return fit_steps(source.df(_FIT_STEPS), source.df(_ENGINE_TIMES), small_max_tokens)
 
 
-def _fit(steps: pd.DataFrame, has_context: bool) -> np.ndarray:
-    """The four non-negative coefficients fitted on `steps` (the context term 0 without it)."""
+def _terms(steps: pd.DataFrame, has_context: bool) -> np.ndarray:
+    """Each step's four terms: 1, prefill tokens, decode tokens, context tokens (0 without)."""
     context = steps["context"].to_numpy(float, na_value=0.0) if has_context else 0.0
-    x = np.column_stack(
+    return np.column_stack(
         [np.ones(len(steps)), steps["prefill"].to_numpy(float),
          steps["decode"].to_numpy(float), np.zeros(len(steps)) + context]
     )  # fmt: skip
+
+
+def _fit(steps: pd.DataFrame, has_context: bool) -> np.ndarray:
+    """The four non-negative coefficients fitted on `steps` (the context term 0 without it)."""
+    x = _terms(steps, has_context)
     coef = nonnegative_least_squares(x if has_context else x[:, :3], steps["own_s"].to_numpy(float))
     return np.append(coef, 0.0) if not has_context else coef
 
@@ -226,11 +231,7 @@ def fit_steps(steps: pd.DataFrame, requests: pd.DataFrame, small_max_tokens: int
     coef = _fit(fitted[~small], has_context)
     small_coef = _fit(fitted[small], has_context) if small.any() else np.zeros(4)
     y = fitted["own_s"].to_numpy(float)
-    context = fitted["context"].to_numpy(float, na_value=0.0) if has_context else np.zeros(len(y))
-    x = np.column_stack(
-        [np.ones(len(y)), fitted["prefill"].to_numpy(float), fitted["decode"].to_numpy(float),
-         context]
-    )  # fmt: skip
+    x = _terms(fitted, has_context)
     residual = np.where(small, x @ small_coef, x @ coef) - y
     gaps, wakes = between_steps(steps, requests)
     mean_gap = float(gaps.mean()) if len(gaps) else 0.0

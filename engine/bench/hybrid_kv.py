@@ -41,16 +41,16 @@ def pool_blocks(shape, pool_requests: int, tokens: int, block_size: int) -> dict
     """num_kv_blocks with the hybrid manager on (False) and off (True) for the same bytes: the
     pool holds `pool_requests` requests of `tokens` tokens with every layer keeping every
     block."""
-    from stepscope.engine.core.kv_cache_utils import get_kv_cache_groups
+    from stepscope.engine.core.kv_cache_utils import kv_cache_groups_for, kv_group_size
 
-    groups = get_kv_cache_groups(shape.layer_types, shape.sliding_window)
+    groups = kv_cache_groups_for(shape)
     if len(groups) == 1:
         raise SystemExit(
             f"the model's layers all attend the same way ({shape.model_type}): it has one KV "
             "cache group, and the hybrid manager changes nothing; try --model gemma-3-270m"
         )
     layer_blocks = pool_requests * -(-tokens // block_size) * shape.num_layers
-    return {False: layer_blocks // len(groups[0].layer_ids), True: layer_blocks // shape.num_layers}
+    return {False: layer_blocks // kv_group_size(groups), True: layer_blocks // shape.num_layers}
 
 
 def _run(setting: Setting, args: argparse.Namespace, prompts: list[list[int]], folder: Path):
