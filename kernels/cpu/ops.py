@@ -251,7 +251,7 @@ def qlinear_paths(library: dict | None = None) -> set[str]:
 
 class QLinear:
     """x @ W.T with W = scales * u + mins per block (engine/layers/quantization.py), the
-    activations quantized to int16 per block inside the kernel (qlinear.c). The weight is
+    activations quantized to 15 bits per block inside the kernel (qlinear.c). The weight is
     checked once, here; a call checks only x and hands the kernel its pointers, so that the
     ~120 products of a one-token decode step cost little Python besides the kernel itself."""
 
@@ -312,7 +312,7 @@ def qlinear(x, qs, scales, mins, bits: int, block: int, library: dict | None = N
 
 
 def qlinear_reference(x, qs, scales, mins, bits: int, block: int):
-    """The same product in float64 torch, activations quantized per block to int16 as the
+    """The same product in float64 torch, activations quantized per block to 15 bits as the
     kernel does."""
     k = x.shape[-1]
     n = qs.shape[0]
@@ -322,7 +322,7 @@ def qlinear_reference(x, qs, scales, mins, bits: int, block: int):
     else:
         u = qs
     xb = x.reshape(-1, k // block, block).float()
-    d = xb.abs().amax(-1, keepdim=True) / 32767
+    d = xb.abs().amax(-1, keepdim=True) / 16383
     qx = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d))).double()
     dots = torch.einsum("tbj,rbj->trb", qx, u.view(n, k // block, block).double())
     y = (dots * d.squeeze(-1)[:, None, :].double() * scales[None].double()).sum(-1)

@@ -1,6 +1,6 @@
 """The quantized matmul (kernels/cpu/qlinear.c): against its torch reference (the same int8
 activations, so to float rounding), against the dequantized weights per GGUF block type (the
-activations' 16-bit rounding only), and its portable loops against this CPU's build."""
+activations' 15-bit rounding only), and its portable loops against this CPU's build."""
 
 from __future__ import annotations
 
@@ -107,10 +107,10 @@ def test_qlinear_on_gguf_blocks_is_close_to_the_dequantized_product(kind):
     got = run(x, w)
     reference = ops.qlinear_reference(x, w.qs, w.scales, w.mins, w.bits, w.block)
     torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-3)
-    # What the int16 activations cost against the dequantized weights' float product: each
-    # activation rounded to 1/65534 of its block's largest, accumulated over the row.
+    # What the 15-bit activations cost against the dequantized weights' float product: each
+    # activation rounded to 1/32766 of its block's largest, accumulated over the row.
     want = F.linear(x, dense)
-    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    assert ((got - want).norm() / want.norm()).item() < 2e-4
 
 
 def test_qlinear_path_matches_the_cpu():
