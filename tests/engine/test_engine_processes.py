@@ -69,7 +69,7 @@ def test_smollm2_tp3_gives_the_tp1_tokens() -> None:
     ("layout", "victim"),
     [("tp2", "engine_core"), ("tp2", "worker"), ("dp2", "engine_core"), ("dp2", "worker")],
 )
-def test_a_killed_process_fails_the_requests_within_5_s(layout: str, victim: str) -> None:
+def test_a_killed_process_fails_the_requests_within_seconds(layout: str, victim: str) -> None:
     """At TP=2 the one engine fails; at DP=2 killing a process of rank 1 fails the whole group,
     with an error naming the rank."""
     parallel = {"tensor_parallel_size": 2} if layout == "tp2" else {"data_parallel_size": 2}
@@ -89,7 +89,10 @@ def test_a_killed_process_fails_the_requests_within_5_s(layout: str, victim: str
     with pytest.raises(EngineDeadError, match="DP rank 1" if layout == "dp2" else None):
         while True:  # busy (on every rank) until the kill
             llm.generate(["Hello"] * 4, long, use_tqdm=False)
-    assert time.monotonic() - killed_at[0] < 5.0
+    # Noticed within a second or two on a quiet machine. Under `make test` every process of
+    # this test shares one core (xdist binds each worker to its own), beside rank 0 decoding
+    # at full speed: it once took 6.7 s there, and a machine twice as slow must still pass.
+    assert time.monotonic() - killed_at[0] < 15.0
     with pytest.raises(EngineDeadError):  # and every later request, at once
         llm.generate("Hello", GREEDY, use_tqdm=False)
     llm.shutdown()
