@@ -77,6 +77,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 xgr.Grammar.from_ebnf(self.grammar)
         except RuntimeError as e:
             raise FieldError(param, f"invalid {kind}: {grammar_error(e)}") from None
+        except UnicodeDecodeError:
+            # xgrammar quotes the text near the error and may cut it inside a UTF-8 character,
+            # and then its message itself cannot be read (a grammar of non-ASCII text).
+            raise FieldError(
+                param, f"invalid {kind}: xgrammar refused it (its message could not be decoded)"
+            ) from None
 
 
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")

@@ -97,6 +97,13 @@ def test_a_bounded_string_with_a_pattern_is_refused_by_name() -> None:
     assert refused.value.param == "structured_outputs.json"
 
 
+def test_a_grammar_whose_error_xgrammar_cannot_decode_is_refused_by_name() -> None:
+    # xgrammar's message quotes the grammar cut inside an "é": found by schemathesis as a 500.
+    with pytest.raises(FieldError, match="invalid grammar") as refused:
+        StructuredOutputsParams(grammar="root ::= " + "\u00e9" * 80).check()
+    assert refused.value.param == "structured_outputs.grammar"
+
+
 def test_json_object_output_parses_or_is_cut_by_length(llm: LLM) -> None:
     for out in llm.generate(PROMPTS, structured(max_tokens=30, json_object=True), use_tqdm=False):
         completion = out.outputs[0]
