@@ -8,10 +8,11 @@ on SmolLM2's Q4_1 GGUF and the same thread count:
 - `llama.cpp`: llama.cpp's `llama-server`, with as many slots as the concurrency (`-np 1` at
   one stream, as a single user starts it);
 - `gguf`: `stepscope serve` with its defaults (the GGUF's blocks as they are, bfloat16
-  activations where the CPU runs them);
+  activations where the CPU runs them, async scheduling);
 - `float32`, `bfloat16`: `stepscope serve --quantization none --dtype ...` (dequantized);
-- any of them with `-async` (e.g. `gguf-async`): the same with `--async-scheduling`; with `-uni`,
-  `--executor uni` (the worker inside the engine core's process, as vLLM runs a single GPU).
+- any of them with `-sync` (e.g. `gguf-sync`): the same with `--no-async-scheduling`, one step
+  at a time (`-async` spells the default out); with `-uni`, `--executor uni` (the worker inside
+  the engine core's process, as vLLM runs a single GPU).
 Each row also gives the floor a one-stream decode cannot go under: the weight bytes a token
 reads in that format, at the memory bandwidth measured at the start of the run. Prints a
 markdown table for docs/benchmarks.md.
@@ -67,7 +68,11 @@ def server_command(name: str, concurrency: int) -> tuple[list[str], dict[str, st
     if base != "gguf":
         cmd += ["--quantization", "none", "--dtype", base]
     for option in options:
-        cmd += {"async": ["--async-scheduling"], "uni": ["--executor", "uni"]}[option]
+        cmd += {
+            "async": ["--async-scheduling"],
+            "sync": ["--no-async-scheduling"],
+            "uni": ["--executor", "uni"],
+        }[option]
     return cmd, env
 
 

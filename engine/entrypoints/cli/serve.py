@@ -24,8 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="the OpenAI-compatible server, engine core and workers")
     _add_server_args(p)
     # Generated from EngineConfig's fields (--model, the budget, parallelism, tracing, ...); a
-    # server runs its workers in their own processes unless told.
-    add_engine_args(p, defaults={"executor": "mp"})
+    # server runs its workers in their own processes unless told, and schedules the next step
+    # while the current one's forward runs (`--no-async-scheduling` to turn it off): with the
+    # worker in its own process it was as fast or faster at 1, 8 and 48 streams
+    # (docs/benchmarks.md, "2026-12-05, late"), as in vLLM, where it is the default.
+    add_engine_args(p, defaults={"executor": "mp", "async_scheduling": True})
     _add_deployment_args(p)
     p.set_defaults(func=_serve, collector_extensions=())
 
