@@ -193,6 +193,22 @@ def fit_cost_model(source: Queryable, small_max_tokens: int = 0) -> CostModel:
     return fit_steps(source.df(_FIT_STEPS), source.df(_ENGINE_TIMES), small_max_tokens)
 
 
+def step_time_ratio(model: CostModel, source: Queryable) -> float | None:
+    """A trace's steps' own time over the time `model` gives the very same steps (their prefill,
+    decode and context tokens): about 1 on the trace the model was fitted on; above 1, the steps
+    ran slower than the model says for their work. For a run of the same steps as the recording
+    only the machine's speed moves it (it slowed down between the runs, or was busy); for other
+    steps, the model's own error on them too. None without steps."""
+    steps = source.df(_FIT_STEPS)
+    if steps.empty:
+        return None
+    modelled = sum(
+        model.step_s(int(p), int(d), 0 if pd.isna(c) else int(c))
+        for p, d, c in zip(steps["prefill"], steps["decode"], steps["context"], strict=True)
+    )
+    return float(steps["own_s"].sum() / modelled) if modelled > 0 else None
+
+
 def _terms(steps: pd.DataFrame, has_context: bool) -> np.ndarray:
     """Each step's four terms: 1, prefill tokens, decode tokens, context tokens (0 without)."""
     context = steps["context"].to_numpy(float, na_value=0.0) if has_context else 0.0

@@ -59,7 +59,12 @@ from stepscope.traces.backend.workload import (
     recorded_pool,
     synthetic_prompts,
 )
-from stepscope.viz.cost_model import CostModel, fit_cost_model, small_step_tokens
+from stepscope.viz.cost_model import (  # noqa: F401  (step_time_ratio: for bench whatif)
+    CostModel,
+    fit_cost_model,
+    small_step_tokens,
+    step_time_ratio,
+)
 
 # The settings whatif can change: what the scheduler and the KV cache manager read.
 GRID_KEYS = (

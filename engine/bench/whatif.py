@@ -73,6 +73,7 @@ class WhatifApi(Protocol):
     def resolve(self, flat: dict[str, Any], changes: dict[str, Any], pool_blocks: int) -> Any: ...
     def grid_settings(self, grid: dict[str, list[Any]]) -> list[dict[str, Any]]: ...
     def predict(self, workload: Any, prompts: Any, settings: Any, model: Any) -> list[Any]: ...
+    def step_time_ratio(self, model: Any, source: Any) -> float | None: ...
 
 
 @dataclass(slots=True)
@@ -82,6 +83,9 @@ class Case:
     predicted: dict[str, Any]  # the what-if table
     replays: list[dict[str, Any]] = field(default_factory=list)  # each replay's recorded table
     replay_s: list[float] = field(default_factory=list)
+    # Each replay's steps' own time over what the cost model gives the same steps: its speed
+    # against the recording's (1.0), whatever its schedule.
+    step_ratios: list[float | None] = field(default_factory=list)
 
     @property
     def checks(self) -> list[MetricCheck]:
@@ -118,10 +122,13 @@ def predict_cases(api: WhatifApi, trace: str) -> tuple[list[Case], Any]:
     return cases, first
 
 
-def replay_cases(trace: str, cases: list[Case], folder: Path, replays: int) -> None:
+def replay_cases(
+    api: WhatifApi, model: Any, trace: str, cases: list[Case], folder: Path, replays: int
+) -> None:
     """Replay every case `replays` times into `folder`, the order of the cases reversed every
     other round (a machine that speeds up or slows down during the run favours none), and add
-    each replay's recorded table to its case."""
+    each replay's recorded table, and its steps' time against the cost model `model`, to its
+    case."""
     from stepscope.engine.bench.replay import replay
 
     name = Path(trace).stem
@@ -134,6 +141,7 @@ def replay_cases(trace: str, cases: list[Case], folder: Path, replays: int) -> N
             result = replay(trace, sets, str(output))
             with open_trace(str(output)) as source:
                 case.replays.append(recorded_table(source))
+                case.step_ratios.append(api.step_time_ratio(model, source))
             case.replay_s.append(result.duration_s)
             print(
                 f"  replay {round_ + 1}/{replays} of {case.label} "
@@ -150,7 +158,7 @@ def run_workload(
     record_s = record(plan, model, trace)
     print(f"  recorded in {format_seconds(record_s)}: {trace}", flush=True)
     cases, answer = predict_cases(api, trace)
-    replay_cases(trace, cases, folder, replays)
+    replay_cases(api, answer.model, trace, cases, folder, replays)
     return WorkloadResult(plan, trace, record_s, answer.recorded, answer.self_check, answer.model,
                           cases)  # fmt: skip
 
@@ -202,9 +210,28 @@ def workload_lines(result: WorkloadResult) -> list[str]:
         case_table([(c.label, c.changes, c.checks) for c in result.cases]),
         "",
         ranking_line(result.ranking),
+        speed_line(result),
         "",
     ]
     return lines
+
+
+def speed_line(result: WorkloadResult) -> str:
+    """How fast each replay's steps ran against the cost model's (fitted on the recording, so
+    the recording's own steps are 1.00): a machine whose speed moved between the recording and
+    a replay moves every number of that replay, which no prediction from the recording sees."""
+    ratios = [r for c in result.cases for r in c.step_ratios if r is not None]
+    if not ratios:
+        return "replays' steps against the cost model: none measured"
+    per_case = "; ".join(
+        f"{c.label} " + ", ".join("-" if r is None else f"{r:.2f}" for r in c.step_ratios)
+        for c in result.cases
+    )
+    mean = sum(ratios) / len(ratios)
+    return (
+        f"replays' steps against the cost model (own time over the model's for the same steps; "
+        f"the recording 1.00): {per_case}; mean {mean:.2f}"
+    )
 
 
 def summary_lines(results: list[WorkloadResult], grid: GridTiming | None) -> list[str]:
@@ -269,6 +296,9 @@ def result_json(
                         "predicted": c.predicted,
                         "replays": c.replays,
                         "replay_s": [round(s, 4) for s in c.replay_s],
+                        "step_time_ratios": [
+                            None if r is None else round(r, 4) for r in c.step_ratios
+                        ],
                         "numbers": {m.key: m.row() for m in c.checks},
                     }
                     for c in r.cases

@@ -25,7 +25,13 @@ from stepscope.traces.backend.store import TraceStore
 from stepscope.traces.backend.workload import load_workload, synthetic_prompts
 from stepscope.viz import whatif as w
 from stepscope.viz import whatif_report
-from stepscope.viz.cost_model import fit_cost_model, fit_steps, nonnegative_least_squares
+from stepscope.viz.cost_model import (
+    CostModel,
+    fit_cost_model,
+    fit_steps,
+    nonnegative_least_squares,
+    step_time_ratio,
+)
 from tests.traces.test_workload import appended_again
 from tests.viz.whatif_workload import COST, bursty_chat
 
@@ -372,3 +378,24 @@ def test_recorded_block_size_change_keeps_the_pool_memory(chats):
     assert (settings.block_size, settings.num_kv_blocks) == (32, 2048)  # recorded explicitly
     moved = w.resolve({**flat, "num_kv_blocks": None}, {"block_size": 32}, 2048)
     assert moved.num_kv_blocks == 1024
+
+
+class _Steps:
+    """A source whose only query is the cost model's steps."""
+
+    def __init__(self, steps: pd.DataFrame) -> None:
+        self.steps = steps
+
+    def df(self, sql: str) -> pd.DataFrame:
+        return self.steps
+
+
+def test_step_time_ratio_is_a_runs_step_time_over_the_models_for_the_same_steps():
+    model = CostModel(0.010, 0.001, 0.002, 0.0001, small_max_tokens=4,
+                      small_terms=(0.004, 0.0, 0.003, 0.0))  # fmt: skip
+    steps = pd.DataFrame({"prefill": [100, 0, 0], "decode": [2, 3, 20], "context": [100, 50, None]})
+    modelled = [0.010 + 0.1 + 0.004 + 0.01, 0.004 + 0.009, 0.010 + 0.04]  # the small step apart
+    assert step_time_ratio(model, _Steps(steps.assign(own_s=modelled))) == pytest.approx(1.0)
+    slower = steps.assign(own_s=[1.25 * t for t in modelled])
+    assert step_time_ratio(model, _Steps(slower)) == pytest.approx(1.25)
+    assert step_time_ratio(model, _Steps(steps.assign(own_s=modelled).iloc[:0])) is None

@@ -206,6 +206,9 @@ def test_bench_whatif_records_predicts_replays_and_prints_its_table(tmp_path, ca
     for name in ("ttft p50", "ttft p90", "tpot mean", "throughput"):
         assert len(re.findall(rf"^\s.*{name}\s", table, re.M)) == 4
     assert "ranked by p90 TTFT: predicted " in table
+    speeds = re.search(r"replays' steps against the cost model .*: budget /2 (\d+\.\d\d), "
+                       r"(\d+\.\d\d); .*; mean (\d+\.\d\d)", table)  # fmt: skip
+    assert speeds and all(float(v) > 0 for v in speeds.groups())
     assert re.search(r"\d+ of 16 numbers within the target", text)
     assert re.search(r"what-if grid: 9 settings over 30 bursty chat requests predicted in ", text)
     assert "e+" not in text and "e-0" not in text  # no scientific notation
@@ -224,6 +227,7 @@ def test_bench_whatif_records_predicts_replays_and_prints_its_table(tmp_path, ca
             assert number["predicted"] == case["predicted"][key]
             # Every replay ran the whole workload: its throughput is a number.
         assert all(r["throughput_tok_s"] for r in case["replays"])
+        assert len(case["step_time_ratios"]) == 2 and all(r > 0 for r in case["step_time_ratios"])
     assert sorted(workload["ranking"]["predicted"]) == sorted(c["label"] for c in workload["cases"])
     assert result["grid"]["requests"] == 30 and result["grid"]["settings"] == 9
     # Traces kept: the recording and two replays per setting.
