@@ -121,13 +121,14 @@ static char *reserve_workspace(int64_t bytes) {
             if (status) return 70 + status;                                                    \
             /* silu(gate) * up, each rounded to the model's dtype as torch rounds them; split  \
              * over the threads (a scalar expf each). */                                       \
-            _Pragma("omp parallel for schedule(static) num_threads(num_threads)")             \
-            for (int64_t e = 0; e < tokens * intermediate; e++) {                              \
-                const int64_t i = e / intermediate, j = e % intermediate;                      \
-                const T *g = gate_up + i * 2 * intermediate, *u = g + intermediate;            \
-                const float gj = LOAD(g + j);                                                  \
-                const float s = ROUND(gj / (1.0f + expf(-gj)));                                \
-                STORE(act + e, s * LOAD(u + j));                                               \
+            _Pragma("omp parallel for collapse(2) schedule(static) num_threads(num_threads)")  \
+            for (int64_t i = 0; i < tokens; i++) {                                             \
+                for (int64_t j = 0; j < intermediate; j++) {                                   \
+                    const T *g = gate_up + i * 2 * intermediate, *u = g + intermediate;        \
+                    const float gj = LOAD(g + j);                                              \
+                    const float s = ROUND(gj / (1.0f + expf(-gj)));                            \
+                    STORE(act + i * intermediate + j, s * LOAD(u + j));                        \
+                }                                                                              \
             }                                                                                  \
             status = qlinear_##SUFFIX(act, tokens, intermediate, ADDR(const uint8_t, w[W_DOWN]),\
                                       ADDR(const float, w[W_DOWN + 1]),                        \

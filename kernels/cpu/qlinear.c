@@ -153,8 +153,9 @@ static inline ALWAYS_INLINE void row_dots(int bits, int block, int nt, const uin
                                           const struct activations *a, int64_t t0, int64_t k,
                                           float *result) {
     const float *act_d = a->d, *act_s = a->s;
-    const int64_t nb = k / block, row_bytes = k * bits / 8;
+    const int64_t nb = k / block;
 #if HAVE_VNNI
+    const int64_t row_bytes = k * bits / 8;
     /* 64 weight bytes a turn: 128 elements of 4 bits (four blocks), 64 of 8 bits (two blocks
      * of 32 or four of 16); a shorter last turn is masked. Each int32 lane of a dot product sums
      * the elements of one block: lanes 4g..4g+3 block g, or with two blocks, 8g..8g+7. Its
@@ -211,7 +212,6 @@ static inline ALWAYS_INLINE void row_dots(int bits, int block, int nt, const uin
     }
 #else
     const int16_t *act_q = (const int16_t *)a->q;
-    (void)row_bytes;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t b = 0; b < nb; b++) {
         const int64_t j0 = b * block;
@@ -264,7 +264,8 @@ static inline ALWAYS_INLINE int qlinear(enum dtype dt, const void *x, int64_t m,
     if (m < 0 || n < 1 || k < 32 || k % 32 || num_threads < 1) return 1;
     if (!((bits == 4 && block == 32) || (bits == 8 && (block == 32 || block == 16)))) return 2;
     if (m == 0) return 0;
-    const int64_t act_bytes = HAVE_VNNI ? m * 2 * act_stride(k) : m * k * 2;
+    /* Two bytes an element either way: hi and lo with VNNI, one int16 without. */
+    const int64_t act_bytes = m * 2 * act_stride(k);
     if (reserve_activations(act_bytes, m * (k / block))) return 3;
     quantize_activations(dt, x, m, k, block, (int)bits);
     /* The OpenMP threads read the caller's buffers: their own thread-locals are not these. */
