@@ -205,14 +205,20 @@ class ParallelConfig(_Part):
     aliases: ClassVar[dict[str, tuple[str, ...]]] = {
         "tensor_parallel_size": ("--tp",),
         "data_parallel_size": ("--dp",),
+        "executor": ("--distributed-executor-backend",),
     }
 
-    executor: Literal["uni", "mp"] = "uni"
-    """uni: the worker runs inside the engine core's process; mp: one process per TP rank."""
+    executor: Literal["uni", "mp", "ray"] = "uni"
+    """uni: the worker runs inside the engine core's process; mp: one process per TP rank; ray:
+    one Ray actor per TP rank (engine/executor/ray_distributed_executor.py)."""
     tensor_parallel_size: int = 1
     """Workers one engine's model is split over."""
     data_parallel_size: int = 1
     """Engine cores, each with its own scheduler, KV pool and TP workers."""
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    """How the engine cores of the DP ranks start: mp, a process each on this machine (or
+    --headless on others); ray, a Ray actor each in its own placement group, on the cluster at
+    $RAY_ADDRESS or a local one started for the run (engine/executor/ray_utils.py)."""
     data_parallel_size_local: int | None = None
     """DP ranks whose engine cores run on this machine (default: all of them)."""
     # Set per engine-core process when it starts (as vLLM's DP engine cores set theirs): the DP
@@ -227,6 +233,9 @@ class ParallelConfig(_Part):
     """Node 0's address: the workers' sockets and torch.distributed's rendezvous."""
     master_port: int = 29500
     """torch.distributed's port on node 0 (the workers' sockets take the next two)."""
+    # Set for a process that Ray placed (its bundle's CPUs), which this machine's cores and DP
+    # ranks cannot tell: the torch threads it runs with. 0: the cores shared evenly.
+    cpu_threads: int = 0
 
     @property
     def tensor_parallel_size_local(self) -> int:
@@ -241,7 +250,9 @@ class ParallelConfig(_Part):
     @property
     def cpu_threads_per_process(self) -> int:
         """Torch threads for one compute process on CPU: the cores shared evenly by every
-        process that runs a forward pass (DP ranks x TP workers)."""
+        process that runs a forward pass (DP ranks x TP workers), unless Ray placed it."""
+        if self.cpu_threads:
+            return self.cpu_threads
         processes = self.data_parallel_ranks_here * self.tensor_parallel_size_local
         return max(1, len(os.sched_getaffinity(0)) // processes)
 
@@ -266,6 +277,9 @@ class ObservabilityConfig(_Part):
     long_wait event on its request span; none: never. An offline engine (LLM) keeps the span
     events and logs no line: its `generate` queues whole batches by design."""
 
+
+# vLLM's names for options stepscope names otherwise, accepted by `create` (and so by `LLM`).
+FLAT_ALIASES = {"distributed_executor_backend": "executor"}
 
 PARTS: dict[str, type[msgspec.Struct]] = {
     "model_config": ModelConfig,
@@ -294,6 +308,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         `offline`. An unknown name is refused with the nearest valid one; a bad value with a
         message naming the field."""
         offline = flat.pop("offline", True)
+        for alias, name in FLAT_ALIASES.items():
+            if alias in flat:
+                if name in flat:
+                    raise ValueError(f"give {name} or {alias}, not both: they are one option")
+                flat[name] = flat.pop(alias)
         values: dict[str, dict[str, Any]] = {part: {} for part in PARTS}
         settable = field_parts(internal=True)
         for name, value in flat.items():
@@ -348,6 +367,7 @@ class Endpoints(msgspec.Struct, frozen=True):
     go. None: this run records no spans through a collector."""
 
     collector: str | None = None
+    ray_address: str | None = None  # the Ray cluster a run's ray backends use, for its processes
 
 
 def _field_error(part: type, values: dict[str, Any], error: msgspec.ValidationError) -> str:
@@ -476,8 +496,14 @@ def check_no_chunk_budget(s: SchedulerConfig, max_model_len: int | None) -> None
 def _check_parallel(p: ParallelConfig) -> None:
     if p.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {p.tensor_parallel_size}")
-    if p.tensor_parallel_size > 1 and p.executor != "mp":
-        raise ValueError("tensor_parallel_size > 1 needs executor='mp' (one process per rank)")
+    if p.tensor_parallel_size > 1 and p.executor == "uni":
+        raise ValueError(
+            "tensor_parallel_size > 1 needs executor='mp' or 'ray' (one process per rank)"
+        )
+    if "ray" in (p.executor, p.data_parallel_backend):
+        from stepscope.engine.executor.ray_utils import require_ray
+
+        require_ray()
     if p.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {p.data_parallel_size}")
     if not 0 <= p.data_parallel_rank < p.data_parallel_size:
@@ -499,7 +525,7 @@ def _check_parallel(p: ParallelConfig) -> None:
                 f"tensor_parallel_size {p.tensor_parallel_size} must be a multiple of "
                 f"nnodes {p.nnodes}: every machine holds the same number of workers"
             )
-        if p.executor != "mp" or p.data_parallel_size != 1:
+        if p.executor != "mp" or p.data_parallel_size != 1 or p.data_parallel_backend != "mp":
             raise ValueError(
                 "tensor parallelism across machines (nnodes > 1) needs executor='mp' and "
                 "one DP rank; to add DP ranks on other machines use --headless with "

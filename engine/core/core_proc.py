@@ -351,15 +351,17 @@ def run_engine_core(
     model_dir: Path,
     handshake_addr: str,
     input_bind: str,
-    parent_pid: int,
+    parent_pid: int | None,
 ) -> None:
-    """Entry point of the engine-core process."""
+    """Entry point of the engine-core process (or Ray actor: no `parent_pid`, as Ray stops
+    an actor whose launcher is gone)."""
     # Ctrl-C or a hang-up in the terminal reaches the whole process group; the launcher
     # decides on shutdown.
     ignore_terminal_signals()
     # SIGTERM unwinds the main thread through the `finally` below, which stops the workers.
     exit_once_on(signal.SIGTERM)
-    watch_parent(parent_pid)  # SIGTERM: the same unwinding as a clean stop
+    if parent_pid is not None:
+        watch_parent(parent_pid)  # SIGTERM: the same unwinding as a clean stop
     m, p = config.model_config, config.parallel_config
     if m.device.startswith("cuda") and p.data_parallel_rank_local:
         # Each DP rank on this machine takes its own TP-size run of GPUs.

@@ -72,6 +72,10 @@ def make_executor(config: EngineConfig, model_dir: Path, endpoints: Endpoints) -
         from stepscope.engine.executor.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config, model_dir, endpoints)
+    if config.parallel_config.executor == "ray":
+        from stepscope.engine.executor.ray_distributed_executor import RayDistributedExecutor
+
+        return RayDistributedExecutor(config, model_dir, endpoints)
     return UniProcExecutor(config, model_dir)
 
 

@@ -394,8 +394,11 @@ class MultiprocExecutor(Executor):
         return f"on node {rank // len(self.local_ranks)}"
 
     def _death_message(self, rank: int, p: BaseProcess) -> str:
+        how = describe_exit(p.exitcode)
+        if getattr(p, "death", None):  # a Ray actor: what Ray said
+            how = f"{how}: {p.death}"  # type: ignore[attr-defined]
         return (
-            f"worker rank {rank} (pid {p.pid}) died ({describe_exit(p.exitcode)}); "
+            f"worker rank {rank} (pid {p.pid}) died ({how}); "
             f"the other workers were stopped and this executor can no longer run steps"
         )
 

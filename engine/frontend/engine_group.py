@@ -20,6 +20,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -36,6 +37,9 @@ from stepscope.engine.messages import (
     RequestKind,
 )
 from stepscope.traces.process import free_port
+
+if TYPE_CHECKING:
+    from stepscope.engine.executor.ray_utils import ActorProcess
 
 STARTUP_TIMEOUT_S = 600.0  # the first start may convert the default model (~20 s) and load it
 
@@ -140,10 +144,12 @@ class EngineGroup:
         ready_timeout: float = STARTUP_TIMEOUT_S,
     ) -> None:
         self.size = config.parallel_config.data_parallel_size
+        self.backend = config.parallel_config.data_parallel_backend
         local_ranks = range(self.size) if local_ranks is None else local_ranks
         self._dir = tempfile.mkdtemp(prefix="stepscope-")
         self._ctx = zmq.Context()
-        self.procs: dict[int, subprocess.Popen] = {}
+        # Engine-core processes by DP rank (Ray actors, held alike, with the ray backend).
+        self.procs: dict[int, subprocess.Popen | ActorProcess] = {}
         self.coordinator: subprocess.Popen | None = None
         self._coordinators: list[subprocess.Popen] = []  # the one above, for the finalizer
         self._inputs: list[zmq.Socket] = []
@@ -170,13 +176,34 @@ class EngineGroup:
     ) -> None:
         from stepscope.engine.core.dp_coordinator import CoordinatorArgs
 
+        started_ns = time.time_ns()
+        spread = False  # engine cores on other machines
+        p = config.parallel_config
+        self.ray_connect_s: float | None = None
+        if "ray" in (self.backend, p.executor):
+            from stepscope.engine.executor import ray_utils
+
+            # Once, here: the engine cores and their executors join this cluster.
+            processes = p.data_parallel_size * p.tensor_parallel_size
+            address = ray_utils.connect(
+                endpoints.ray_address, num_cpus=processes * p.cpu_threads_per_process
+            )
+            endpoints = msgspec.structs.replace(endpoints, ray_address=address)
+            self.ray_connect_s = (time.time_ns() - started_ns) / 1e9
+        if self.backend == "ray":
+            host = ray_utils.node_ip()
+            spread = ray_utils.spans_hosts()
+            if spread:  # the handshake, as engine cores elsewhere must reach it
+                handshake_bind = f"tcp://{host}:{free_port(host)}"
+        else:
+            spread = len(local_ranks) < self.size and host is not None
         router = self._ctx.socket(zmq.ROUTER)
         handshake_addr = handshake_bind or f"ipc://{self._dir}/handshake"
         router.bind(handshake_addr)
         coordinator_addr = head_addr = None
         self.publish_addr = None
         if self.size > 1:
-            if len(local_ranks) < self.size and host:  # ranks on other machines too
+            if spread and host:  # ranks on other machines too
                 coordinator_addr = f"tcp://{host}:{free_port(host)}"
                 head_addr = f"tcp://{host}:{free_port(host)}"
             else:
@@ -195,17 +222,22 @@ class EngineGroup:
                 ),
             )
             self._coordinators.append(self.coordinator)
-        for local, rank in enumerate(local_ranks):
-            self.procs[rank] = start_core_process(
-                config,
-                endpoints,
-                model_dir,
-                rank,
-                handshake_addr,
-                f"ipc://{self._dir}/core-{rank}",
-                local,
-                len(local_ranks),
+        if self.backend == "ray":
+            self.procs.update(
+                start_core_actors(config, endpoints, model_dir, handshake_addr, self._dir)
             )
+        else:
+            for local, rank in enumerate(local_ranks):
+                self.procs[rank] = start_core_process(
+                    config,
+                    endpoints,
+                    model_dir,
+                    rank,
+                    handshake_addr,
+                    f"ipc://{self._dir}/core-{rank}",
+                    local,
+                    len(local_ranks),
+                )
         self.ready: list[EngineCoreReady | None] = [None] * self.size
         answer = msgspec.msgpack.encode(CoreAddresses(output_addrs, coordinator_addr, head_addr))
         deadline = time.monotonic() + ready_timeout
@@ -273,11 +305,10 @@ class EngineGroup:
         coordinator = [self.coordinator] if self.coordinator is not None else []
         return [*self.procs.values(), *coordinator]
 
-    def watched(self) -> list[tuple[subprocess.Popen, str]]:
-        """Every local process with what its death means, for a watchdog."""
+    def watched(self) -> list[tuple[subprocess.Popen | ActorProcess, str]]:
+        """Every local process (or Ray actor) with what its death means, for a watchdog."""
         out = [
-            (proc, describe_rank(self.size, rank, "process died"))
-            for rank, proc in self.procs.items()
+            (proc, describe_rank(self.size, rank, _died(proc))) for rank, proc in self.procs.items()
         ]
         if self.coordinator is not None:
             out.append((self.coordinator, "the DP coordinator process died"))
@@ -287,7 +318,8 @@ class EngineGroup:
         """Why the group cannot serve any more (a local process exited), or None; never blocks."""
         for proc, what in self.watched():
             if proc.poll() is not None:
-                return f"{what} (exit code {proc.poll()})"
+                death = getattr(proc, "death", None)  # a Ray actor: what Ray said
+                return f"{what} (exit code {proc.poll()}{f': {death}' if death else ''})"
         return None
 
     def shutdown(self) -> None:
@@ -309,6 +341,12 @@ class EngineGroup:
             sock.close(linger=500)
         self._inputs.clear()
         self._finalizer()
+
+
+def _died(proc: subprocess.Popen | ActorProcess) -> str:
+    if isinstance(proc, subprocess.Popen):
+        return "process died"
+    return f"Ray actor died (pid {proc.pid}, node {proc.node_id[:12]})"
 
 
 def _stop_group(procs: dict, coordinator: list, folder: str, ctx: zmq.Context) -> None:
@@ -341,3 +379,49 @@ def start_core_process(
             parent_pid=os.getpid(),
         ),
     )
+
+
+def start_core_actors(
+    config: EngineConfig, endpoints: Endpoints, model_dir: Path, handshake_addr: str, folder: str
+) -> dict[int, ActorProcess]:
+    """`--data-parallel-backend ray`: an engine-core actor per DP rank, each in a placement group
+    of its own (vLLM: `CoreEngineActorManager`), running the engine-core process's main. They
+    register at `handshake_addr` like engine-core processes do.
+
+    A rank's bundles hold the CPUs its forward passes run on: one bundle of the rank's threads
+    with the uni executor (the engine core runs the forward), all TP workers' threads in one
+    bundle with mp (its worker processes are its children), a bundle per TP worker with the ray
+    executor (the workers are actors in the rank's group; the engine core takes no CPU of it).
+    Threads per process are this machine's cores shared as the process backends share them.
+    """
+    from stepscope.engine.core.core_proc import run_engine_core
+    from stepscope.engine.executor import ray_utils
+
+    p = config.parallel_config
+    threads = float(p.cpu_threads_per_process)
+    if p.executor == "uni":
+        bundles, resources = [{"CPU": threads}], None
+    elif p.executor == "mp":
+        bundles, resources = [{"CPU": threads * p.tensor_parallel_size}], None
+    else:
+        bundles, resources = [{"CPU": threads}] * p.tensor_parallel_size, {}
+    actors = ray_utils.start_actors(
+        [
+            ray_utils.ActorSpec(f"stepscope-engine-core-{rank}", bundles, resources)
+            for rank in range(p.data_parallel_size)
+        ]
+    )
+    here = ray_utils.node_ip()
+    for rank, actor in enumerate(actors):
+        # Every rank counts as one of this host's when it shares out memory, as natively.
+        rank_config = config.for_dp_rank(rank, 0, p.data_parallel_size)
+        rank_config = rank_config.replace(
+            parallel_config=msgspec.structs.replace(
+                rank_config.parallel_config, cpu_threads=int(threads)
+            )
+        )
+        bind = (
+            f"ipc://{folder}/core-{rank}" if actor.node_ip == here else f"tcp://{actor.node_ip}:*"
+        )
+        actor.run(run_engine_core, rank_config, endpoints, model_dir, handshake_addr, bind, None)
+    return dict(enumerate(actors))

@@ -28,6 +28,7 @@ import shutil
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -143,12 +144,16 @@ def _worker_main(
     world_size: int,
     addresses: WorkerAddresses,
     socket_dir: str | None,
-    parent_pid: int,
+    parent_pid: int | None,
+    exit: Callable[[int], NoReturn] = os._exit,
 ) -> None:
+    """A worker process's main (or a Ray actor's: no `parent_pid`, as Ray stops the actors of
+    an engine core that is gone, and `exit` raises SystemExit, as the actor must return)."""
     ignore_terminal_signals()  # the engine core stops its workers
     signal.signal(signal.SIGTERM, _raise_stopped)
-    _exit_when_parent_dies(parent_pid, socket_dir if rank == 0 else None)
-    proc = WorkerProc(rank, addresses)
+    if parent_pid is not None:
+        _exit_when_parent_dies(parent_pid, socket_dir if rank == 0 else None)
+    proc = WorkerProc(rank, addresses, exit)
     try:
         config, endpoints = msgspec.msgpack.decode(
             config_bytes, type=tuple[EngineConfig, Endpoints]
@@ -198,8 +203,13 @@ def _build_worker(
 class WorkerProc:
     """One worker process's sockets and the loop that serves the engine core with its Worker."""
 
-    def __init__(self, rank: int, addresses: WorkerAddresses) -> None:
+    def __init__(
+        self, rank: int, addresses: WorkerAddresses, exit: Callable[[int], NoReturn] = os._exit
+    ) -> None:
         self.rank = rank
+        # How the process ends once its loop is over: os._exit skips an interpreter teardown
+        # that the process group and torch's threads do not need.
+        self.exit = exit
         self.ctx = zmq.Context()
         self.bcast = self.ctx.socket(zmq.SUB)
         self.bcast.setsockopt(zmq.SUBSCRIBE, b"")
@@ -221,8 +231,7 @@ class WorkerProc:
                 self.serve_one(worker, message)
         self.ctx.destroy(linger=1000)
         shutdown_tracing()
-        # Skip interpreter teardown: the process group and torch's threads need no orderly exit.
-        os._exit(0)
+        self.exit(0)
 
     def serve_one(self, worker: Worker, message: list[bytes]) -> None:
         """Run one step or utility call; on an error, report it and end the process."""
@@ -268,7 +277,7 @@ class WorkerProc:
         self.ctx.destroy(linger=5000)
         if flush_spans:
             shutdown_tracing()
-        os._exit(1)
+        self.exit(1)
 
 
 # ---- a worker machine -----------------------------------------------------------------------
