@@ -363,11 +363,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class Endpoints(msgspec.Struct, frozen=True):
-    """Addresses found at run time, sent beside `EngineConfig` to every process: where spans
-    go. None: this run records no spans through a collector."""
+    """What a run's processes find out at run time, sent beside `EngineConfig` to each: where
+    spans go (None: this run records none through a collector), the Ray cluster, and the
+    context their start is traced under."""
 
     collector: str | None = None
     ray_address: str | None = None  # the Ray cluster a run's ray backends use, for its processes
+    # The W3C context of the engine's start span (`stepscope.engine_start`): each process records
+    # the start of the processes it starts under it (an engine core, its workers).
+    startup_context: dict[str, str] | None = None
 
 
 def _field_error(part: type, values: dict[str, Any], error: msgspec.ValidationError) -> str:

@@ -44,6 +44,12 @@ SEND = "stepscope.send"  # PRODUCER on the sender of a message across a boundary
 RECEIVE = "stepscope.receive"  # CONSUMER on the receiver, parented on the SEND span
 DP_PUBLISH = "stepscope.dp_publish"  # DP coordinator: one per publication of the ranks' loads
 RUN = "stepscope.run"  # API process: once as a front end (LLM, AsyncLLM) starts; its config
+# Whoever starts the engine cores (the API process, or the launcher): from the first process (or
+# the Ray cluster) asked for to the last DP rank's READY.
+ENGINE_START = "stepscope.engine_start"
+# A child of ENGINE_START per engine core (started to READY) and per worker (started to its
+# ready reply, recorded by its engine core under the context the core was started with).
+PROCESS_START = "stepscope.process_start"
 
 SPAN_NAMES = (
     REQUEST,
@@ -61,6 +67,8 @@ SPAN_NAMES = (
     RECEIVE,
     DP_PUBLISH,
     RUN,
+    ENGINE_START,
+    PROCESS_START,
 )
 
 # ---- the four boundaries of the request path -----------------------------------------------------
@@ -99,6 +107,14 @@ ENGINE_CONFIG = "stepscope.engine_config"  # the whole EngineConfig, as JSON tex
 ENTRY = "stepscope.entry"  # how requests came in: ENTRY_OFFLINE (LLM) or ENTRY_SERVE (AsyncLLM)
 ENTRY_OFFLINE = "offline"
 ENTRY_SERVE = "serve"
+
+# ---- engine start: how each process was started, and what Ray took ------------------------------
+BACKEND = "stepscope.backend"  # "process" or "ray"
+ROLE = "stepscope.role"  # process_start: "engine_core" or "worker"
+RAY_CONNECT_S = "stepscope.ray.connect_s"  # engine_start: joining or starting the cluster
+RAY_PLACEMENT_S = "stepscope.ray.placement_s"  # process_start: its placement group placed
+RAY_ACTOR_START_S = "stepscope.ray.actor_start_s"  # process_start: its actor up and answering
+RAY_NODE_ID = "stepscope.ray.node_id"  # process_start: the node Ray put it on
 
 
 class RequestEvent(StrEnum):

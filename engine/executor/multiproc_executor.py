@@ -83,6 +83,7 @@ from stepscope.engine.models.config import read_model_shape
 from stepscope.engine.worker.worker_proc import describe_exit, start_workers, worker_addresses
 from stepscope.traces import crossing
 from stepscope.traces.crossing import traced_send
+from stepscope.traces.spans import process_start_span
 
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 5.0
@@ -170,12 +171,21 @@ class MultiprocExecutor(Executor):
         self._node_beats: dict[int, float] = {}  # node rank -> last heartbeat
         self._group = _WorkerGroup(tmp_dir, self.addresses.bcast, self.addresses.results)
         self._finalizer = weakref.finalize(self, self._group.shutdown)
+        self._ready_ns: dict[int, int] = {}
+        endpoints = endpoints or Endpoints()
+        started_ns = time.time_ns()
         try:
-            self._start_workers(config, Path(model_dir), endpoints or Endpoints())
+            self._start_workers(config, Path(model_dir), endpoints)
             self._wait_ready()
         except BaseException:
             self._group.shutdown(graceful=False)
             raise
+        for rank, proc in zip(self.local_ranks, self._group.procs, strict=True):
+            process_start_span(
+                endpoints.startup_context, "worker", rank, started_ns, self._ready_ns[rank],
+                proc.pid, actor=None if isinstance(proc, BaseProcess) else proc,
+                dp_rank=p.data_parallel_rank,
+            )  # fmt: skip
         self._poller = zmq.Poller()
         self._poller.register(self._group.results, zmq.POLLIN)
         for p in self._group.procs:
@@ -234,6 +244,7 @@ class MultiprocExecutor(Executor):
                     if rank not in self.local_ranks:
                         self.remote_pids[rank] = msgspec.msgpack.decode(payload)
                     ready.add(rank)
+                    self._ready_ns[rank] = time.time_ns()
                 continue
             for rank, p in enumerate(g.procs):
                 if p.exitcode is not None:

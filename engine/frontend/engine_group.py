@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 
 from stepscope.engine.config import Endpoints, EngineConfig
 from stepscope.engine.liveness import ENGINE_PROCESS_POLL_S
@@ -36,12 +38,18 @@ from stepscope.engine.messages import (
     ProcessInfo,
     RequestKind,
 )
+from stepscope.traces import names
 from stepscope.traces.process import free_port
+from stepscope.traces.spans import inject_context, process_start_span, start_span
 
 if TYPE_CHECKING:
     from stepscope.engine.executor.ray_utils import ActorProcess
 
 STARTUP_TIMEOUT_S = 600.0  # the first start may convert the default model (~20 s) and load it
+
+
+# How an engine core starts, as the trace names it.
+_BACKENDS = {"mp": "process", "ray": "ray"}
 
 
 class EngineDeadError(RuntimeError):
@@ -156,12 +164,22 @@ class EngineGroup:
         self._finalizer = weakref.finalize(
             self, _stop_group, self.procs, self._coordinators, self._dir, self._ctx
         )
+        self._span = start_span(names.ENGINE_START)
+        if self._span is not None:
+            self._span.set_attribute(names.BACKEND, _BACKENDS[self.backend])
+            endpoints = msgspec.structs.replace(
+                endpoints, startup_context=inject_context(trace.set_span_in_context(self._span))
+            )
         try:
             self._start(config, model_dir, endpoints, output_addrs, local_ranks, handshake_bind,
                         host, ready_timeout)  # fmt: skip
-        except BaseException:
+        except BaseException as e:
+            if self._span is not None:
+                self._span.set_status(StatusCode.ERROR, f"{type(e).__name__}: {e}")
+                self._span.end()
             self.stop()
             raise
+        self._record_start()
 
     def _start(
         self,
@@ -222,6 +240,7 @@ class EngineGroup:
                 ),
             )
             self._coordinators.append(self.coordinator)
+        self.started_ns = time.time_ns()  # the engine cores asked for
         if self.backend == "ray":
             self.procs.update(
                 start_core_actors(config, endpoints, model_dir, handshake_addr, self._dir)
@@ -238,6 +257,7 @@ class EngineGroup:
                     local,
                     len(local_ranks),
                 )
+        self.ready_ns: list[int | None] = [None] * self.size
         self.ready: list[EngineCoreReady | None] = [None] * self.size
         answer = msgspec.msgpack.encode(CoreAddresses(output_addrs, coordinator_addr, head_addr))
         deadline = time.monotonic() + ready_timeout
@@ -252,6 +272,7 @@ class EngineGroup:
                     if not 0 <= rank < self.size or self.ready[rank] is not None:
                         continue  # a stray or duplicate registration: not ours
                     self.ready[rank] = msg
+                    self.ready_ns[rank] = time.time_ns()
                     router.send_multipart([identity, answer])
                 self._check_started(local_ranks)
                 if time.monotonic() > deadline:
@@ -264,6 +285,21 @@ class EngineGroup:
             sock = self._ctx.socket(zmq.PUSH)
             sock.connect(addr)
             self._inputs.append(sock)
+
+    def _record_start(self) -> None:
+        """The engine start's span, with a child per engine core this group started."""
+        if self._span is None:
+            return
+        if self.ray_connect_s is not None:
+            self._span.set_attribute(names.RAY_CONNECT_S, self.ray_connect_s)
+        for rank, proc in self.procs.items():
+            ready = self.ready[rank]
+            process_start_span(
+                self._span, "engine_core", rank, self.started_ns, self.ready_ns[rank] or 0,
+                ready.processes[0].pid if ready and ready.processes else proc.pid,
+                actor=None if isinstance(proc, subprocess.Popen) else proc, dp_rank=rank,
+            )  # fmt: skip
+        self._span.end()
 
     def _check_started(self, local_ranks: range) -> None:
         for rank, proc in self.procs.items():
