@@ -22,7 +22,7 @@ from stepscope.traces.backend.store import TraceStore
 from tests.server_utils import CLI, Server
 
 KEYS = {"request_id", "e2e_s", "parts", "queue_reasons", "shared", "cpu", "preemptions",
-        "recomputed_tokens", "prefix_hit_tokens", "dp_rank", "summary"}  # fmt: skip
+        "recomputed_tokens", "prefix_hit_tokens", "dp_rank", "startup", "summary"}  # fmt: skip
 
 
 def offline_trace(path: str, prompts: list[str], max_tokens: list[int], **engine: object) -> None:

@@ -169,7 +169,7 @@ def trace_explain(
         }
     )
     _section(out, "where the time went (in the request path's order; the parts add up)",
-             _table(parts))  # fmt: skip
+             _table(parts) + _startup_line(result["startup"]))  # fmt: skip
     if result["queue_reasons"]:
         reasons = pd.DataFrame(
             {
@@ -193,6 +193,28 @@ def trace_explain(
     )
     _section(out, "why", "  " + result["summary"])
     return 0
+
+
+def _startup_line(start: dict | None) -> str:
+    """The engine's own start, before any request reached it: not a part of this request's
+    time, but what a user waited for first (Ray's share of it with the ray backend)."""
+    if start is None:
+        return ""
+    text = f"\n  before the engine: it started in {_fmt_s(start['engine_start_s'])}"
+    if start["ready_before_s"] is not None and start["ready_before_s"] >= 0:
+        text += f", ready {_fmt_s(start['ready_before_s'])} before this request"
+    if start["backend"] == "ray":
+        ray = [
+            f"{what} {_fmt_s(start[key])}"
+            for key, what in (
+                ("ray_connect_s", "the cluster"),
+                ("ray_placement_s", "placement"),
+                ("ray_actor_start_s", "the engine cores' actors"),
+            )  # fmt: skip
+            if start[key] is not None
+        ]
+        text += f"; Ray took {', '.join(ray)} of it"
+    return text
 
 
 def _ask(path: str, question: Callable[[TraceSource], Any]) -> Any:

@@ -48,7 +48,7 @@ from stepscope.traces.backend.queries import (
 )
 from stepscope.traces.backend.source import Queryable
 from stepscope.traces.backend.units import format_seconds
-from stepscope.traces.backend.views import dp_rank_sql
+from stepscope.traces.backend.views import _num, _str, dp_rank_sql
 
 PARTS = ("before_engine_s", "queue_s", "prefill_s", "decode_s", "preempted_s", "after_engine_s")
 ARRIVED_DURING_STEP = "arrived_during_step"
@@ -101,11 +101,55 @@ ORDER BY s.start_ns
 """
 
 
+# The engine's start, as its launcher recorded it (the first, for a trace of several runs), and
+# what Ray's actors took of it: the slowest engine core's, as the ranks start together.
+_STARTUP = f"""
+WITH start AS (
+    SELECT span_id, start_ns, end_ns, {_str(n.BACKEND)} AS backend,
+           {_num(n.RAY_CONNECT_S, "DOUBLE")} AS ray_connect_s
+    FROM spans WHERE name = '{n.ENGINE_START}' ORDER BY start_ns LIMIT 1
+)
+SELECT start.start_ns, start.end_ns, start.backend, start.ray_connect_s,
+       max({_num(n.RAY_PLACEMENT_S, "DOUBLE", "p.attributes")}) AS ray_placement_s,
+       max({_num(n.RAY_ACTOR_START_S, "DOUBLE", "p.attributes")}) AS ray_actor_start_s
+FROM start LEFT JOIN spans p ON p.parent_span_id = start.span_id
+     AND p.name = '{n.PROCESS_START}'
+     AND {_str(n.ROLE, "p.attributes")} = 'engine_core'
+GROUP BY ALL
+"""
+
+
+def startup(source: Queryable, before_ns: int | None = None) -> dict[str, Any] | None:
+    """The engine's start, if the trace recorded it: seconds in all, how its cores started
+    (process or ray), Ray's cluster connect, placement and actor start (None without Ray), and
+    how long before `before_ns` (a request's start) the engine was ready."""
+    rows = df(source, _STARTUP)
+    if not len(rows):
+        return None
+    row = rows.iloc[0]
+
+    def seconds(value: Any) -> float | None:
+        return None if pd.isna(value) else round(float(value), 6)
+
+    return {
+        "engine_start_s": round((row["end_ns"] - row["start_ns"]) / 1e9, 6),
+        "backend": row["backend"],
+        "ray_connect_s": seconds(row["ray_connect_s"]),
+        "ray_placement_s": seconds(row["ray_placement_s"]),
+        "ray_actor_start_s": seconds(row["ray_actor_start_s"]),
+        "ready_before_s": None
+        if before_ns is None
+        else round((before_ns - row["end_ns"]) / 1e9, 6),
+    }
+
+
 def explain(source: Queryable, request_id: str | None = None) -> dict[str, Any]:
     """Why request `request_id` (default: the slowest by end-to-end time) took as long as it did.
 
     Returns exactly: request_id, e2e_s, parts, queue_reasons, shared, cpu, preemptions,
-    recomputed_tokens, prefix_hit_tokens, dp_rank, summary. Raises KeyError for an unknown id.
+    recomputed_tokens, prefix_hit_tokens, dp_rank, startup, summary. Raises KeyError for an
+    unknown id. `startup` is the engine's own start before the request's (`startup()`), apart
+    from the parts: a request reaches an engine that has started.
     """
     if request_id is None:
         request_id = _slowest_ids(source, 1)[0]
@@ -145,6 +189,7 @@ def explain(source: Queryable, request_id: str | None = None) -> dict[str, Any]:
         else 0,
         "prefix_hit_tokens": int(cached),
         "dp_rank": int(request["dp_rank"] or 0),
+        "startup": startup(source, t0),
         "summary": "",
     }
     result["summary"] = _summary(result, steps, queued, input_tokens, output_tokens)
