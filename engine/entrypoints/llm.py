@@ -78,6 +78,8 @@ class LLM:
         self._closed = False
         self._tracing = False
         self.endpoints = Endpoints()
+        # One callable per LLM, so that it can be registered again (below).
+        self._at_exit = partial(_shutdown_at_exit, weakref.ref(self))
         self._tracing = self._start_tracing(config)
         # "uni" with one DP rank: the engine core runs right here; otherwise in its own
         # processes over ZMQ, sending their spans to this run's collector.
@@ -87,6 +89,12 @@ class LLM:
             InprocClient if in_process else partial(SyncMPClient, endpoints=self.endpoints),
         )
         self.config = self.frontend.config
+        p = self.config.parallel_config
+        if self._tracing and "ray" in (p.data_parallel_backend, p.executor):
+            # Ray registered its exit hook as its cluster started, after ours: it would run first
+            # and stop the actors before they flush their spans. Ours again, to run before it.
+            atexit.unregister(self._at_exit)
+            atexit.register(self._at_exit)
         m = self.config.model_config
         logger.info("weights %s; dtype %s (%s)", m.weight_format, m.dtype, m.dtype_reason)
         self.client: InprocClient | SyncMPClient = self.frontend.client
@@ -119,7 +127,7 @@ class LLM:
                 otlp_endpoint=otlp,
                 trace_steps=steps,
             )
-            atexit.register(_shutdown_at_exit, weakref.ref(self))
+            atexit.register(self._at_exit)
             return True
         if self.trace_db is not None:
             self._collector, url = start_collector_process(str(self.trace_db))
@@ -130,7 +138,7 @@ class LLM:
         )  # fmt: skip
         # Registered after the collector's own finalizer: at exit this runs first, and stops
         # the collector last.
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         return True
 
     def query_traces(self, sql: str) -> pd.DataFrame:

@@ -38,7 +38,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 RAY_INSTALL = "pip install -e '.[ray]' (in a checkout) or pip install 'ray==2.58.0'"
@@ -66,14 +66,41 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> str:
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
         local = None if address else max(num_cpus or 0, os.cpu_count() or 1)
-        ray.init(
-            address=address,  # None: a new local cluster
-            num_cpus=local,
-            include_dashboard=False,
-            log_to_driver=True,  # an actor's traceback is printed here, as a child's would be
-            logging_level="warning",
-        )
+        with _signals_kept():
+            ray.init(
+                address=address,  # None: a new local cluster
+                num_cpus=local,
+                include_dashboard=False,
+                log_to_driver=True,  # an actor's traceback is printed here, as a child's would be
+                logging_level="warning",
+            )
     return ray.get_runtime_context().gcs_address
+
+
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[None]:
+    """Start a local cluster with this process's signal handling kept.
+
+    Its processes (GCS, raylet) start in this process group, and a terminal's Ctrl-C or hang-up,
+    or a process manager's SIGTERM to the group, must reach the launcher only, which stops the
+    actors in order and the cluster last (a GCS killed by SIGHUP first leaves the driver waiting
+    a minute for it, then aborting, its spans unsent). So the three are blocked while it starts:
+    its processes inherit the mask and never receive them; here they wait, pending, until the
+    block lifts. And `ray.init` installs SIGTERM handlers of its own in this process (one exits
+    on the spot, skipping the unwinding that stops the engine and saves the trace): the ones
+    this process had are put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signums = {signal.SIGINT, signal.SIGHUP, signal.SIGTERM}
+    handlers = {signum: signal.getsignal(signum) for signum in signums}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def spans_hosts() -> bool:
@@ -124,6 +151,7 @@ class ActorSpec(NamedTuple):
     placement_group: Any = None
     bundle_index: int = 0
     strategy: str = "STRICT_PACK"
+    node_id: str | None = None  # a new group goes there if it fits there, else anywhere
 
 
 def start_actors(specs: list[ActorSpec]) -> list[ActorProcess]:
@@ -136,7 +164,7 @@ def start_actors(specs: list[ActorSpec]) -> list[ActorProcess]:
     groups = [
         (spec.placement_group, False)
         if spec.placement_group is not None
-        else (placement_group(spec.bundles, spec.name, spec.strategy), True)
+        else (placement_group(spec.bundles, spec.name, spec.strategy, spec.node_id), True)
         for spec in specs
     ]
     actors: list[Any] = []
@@ -191,11 +219,31 @@ def _actor_class() -> Any:
     return ray.remote(_ProcessActor)
 
 
-def placement_group(bundles: list[dict[str, float]], name: str, strategy: str = "STRICT_PACK"):
-    """A placement group for actors that `start_actors` places in it; the caller removes it."""
+def placement_group(
+    bundles: list[dict[str, float]],
+    name: str,
+    strategy: str = "STRICT_PACK",
+    node_id: str | None = None,
+) -> Any:
+    """A placement group for actors that `start_actors` places in it (on node `node_id` where
+    it fits); the caller removes it."""
     from ray.util.placement_group import placement_group as make
 
-    return make(bundles, strategy=strategy, name=name)
+    return make(bundles, strategy=strategy, name=name, _soft_target_node_id=node_id)
+
+
+def nodes_for(cpus: float) -> list[str]:
+    """The alive nodes with at least `cpus` CPUs, this process's node first: where the DP ranks
+    go in turn, one per node before a second on any (vLLM spreads its DP ranks alike)."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [
+        node["NodeID"]
+        for node in ray.nodes()
+        if node["Alive"] and node["Resources"].get("CPU", 0) >= cpus
+    ]
+    return sorted(nodes, key=lambda node: node != here)
 
 
 def remove_groups(groups: list[Any]) -> None:

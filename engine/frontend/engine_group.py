@@ -429,6 +429,7 @@ def start_core_actors(
     bundle with mp (its worker processes are its children), a bundle per TP worker with the ray
     executor (the workers are actors in the rank's group; the engine core takes no CPU of it).
     Threads per process are this machine's cores shared as the process backends share them.
+    The ranks go to the cluster's nodes in turn, one per node before a second on any.
     """
     from stepscope.engine.core.core_proc import run_engine_core
     from stepscope.engine.executor import ray_utils
@@ -441,9 +442,16 @@ def start_core_actors(
         bundles, resources = [{"CPU": threads * p.tensor_parallel_size}], None
     else:
         bundles, resources = [{"CPU": threads}] * p.tensor_parallel_size, {}
+    # Rank r goes to the r-th node that fits it, in turn (softly: anywhere if that one is full).
+    nodes = ray_utils.nodes_for(sum(b["CPU"] for b in bundles)) or [None]
     actors = ray_utils.start_actors(
         [
-            ray_utils.ActorSpec(f"stepscope-engine-core-{rank}", bundles, resources)
+            ray_utils.ActorSpec(
+                f"stepscope-engine-core-{rank}",
+                bundles,
+                resources,
+                node_id=nodes[rank % len(nodes)],
+            )  # fmt: skip
             for rank in range(p.data_parallel_size)
         ]
     )

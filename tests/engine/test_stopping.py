@@ -115,6 +115,9 @@ SERVE_CASES = [
     ([], signal.SIGTERM, "parent"),
     (["--dp", "2"], signal.SIGTERM, "parent"),
     (["--api-server-count", "2"], signal.SIGTERM, "group"),
+    # Engine cores as Ray actors, on a local cluster the server starts and leaves nothing of.
+    (["--dp", "2", "--data-parallel-backend", "ray"], signal.SIGINT, "group"),
+    (["--dp", "2", "--data-parallel-backend", "ray"], signal.SIGTERM, "parent"),
 ]
 
 
@@ -193,7 +196,9 @@ SCRIPT = textwrap.dedent(
     import json, sys, time
     from stepscope.engine import LLM, SamplingParams
 
-    llm = LLM(model="tiny-llama", trace_db=sys.argv[1], executor=sys.argv[2], num_kv_blocks=128)
+    layout = {"ray": {"data_parallel_size": 2, "data_parallel_backend": "ray"}}
+    llm = LLM(model="tiny-llama", trace_db=sys.argv[1], num_kv_blocks=128,
+              **layout.get(sys.argv[2], {"executor": sys.argv[2]}))
     prompts = json.loads(sys.argv[3])
     outs = llm.generate(
         prompts, [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True)
@@ -204,7 +209,13 @@ SCRIPT = textwrap.dedent(
     time.sleep(600)  # a long-running script, stopped from outside
     """
 )
-SCRIPT_CASES = [("uni", signal.SIGTERM), ("mp", signal.SIGINT), ("mp", signal.SIGHUP)]
+# "ray": DP 2 on Ray actors, on a local cluster the script starts (and leaves nothing of).
+SCRIPT_CASES = [
+    ("uni", signal.SIGTERM),
+    ("mp", signal.SIGINT),
+    ("mp", signal.SIGHUP),
+    ("ray", signal.SIGHUP),
+]
 
 
 @pytest.mark.parametrize(
