@@ -54,8 +54,8 @@ def require_ray() -> None:
 
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> str:
-    """Join the cluster at `address` (else $RAY_ADDRESS), or start a local one; its address,
-    which the processes this one starts join.
+    """Join the cluster at `address` (else $RAY_ADDRESS), or start a local one for this run; its
+    address, which the processes this one starts join.
 
     A local cluster counts `num_cpus` CPUs where that is more than this machine's cores: the
     process backends run more compute processes than cores when asked to (DP x TP on a small
@@ -68,7 +68,8 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> str:
         local = None if address else max(num_cpus or 0, os.cpu_count() or 1)
         with _signals_kept():
             ray.init(
-                address=address,  # None: a new local cluster
+                # "local": a new cluster, even where `ray start` left one on this machine
+                address=address or "local",
                 num_cpus=local,
                 include_dashboard=False,
                 log_to_driver=True,  # an actor's traceback is printed here, as a child's would be

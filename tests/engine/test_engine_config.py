@@ -130,3 +130,15 @@ def test_the_config_crosses_to_the_engine_core_and_every_worker_whole() -> None:
         assert msgspec.convert(worker, EngineConfig) == sent
     assert sent.scheduler_config.max_num_seqs == 7
     assert sent.model_config.dtype_reason == "asked for"
+
+
+def test_without_ray_the_flag_says_how_to_install_it(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    for option in ({"data_parallel_backend": "ray"}, {"distributed_executor_backend": "ray"}):
+        with pytest.raises(ValueError, match=r"pip install -e '\.\[ray\]'"):
+            EngineConfig.create(model="tiny-llama", **option)
