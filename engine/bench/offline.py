@@ -105,12 +105,16 @@ def run_stepscope(
     data_parallel_size: int = 1,
     quantization: str | None = "auto",
     async_scheduling: bool = False,
+    data_parallel_backend: str = "mp",
+    startup: list[float] | None = None,
 ) -> tuple[float, list[float]]:
-    """Seconds to generate the workload, and each request's TTFT (first token - arrival)."""
+    """Seconds to generate the workload, and each request's TTFT (first token - arrival);
+    the seconds `LLM(...)` took to start are appended to `startup`, if given."""
     from stepscope.engine.entrypoints.llm import LLM
     from stepscope.engine.frontend.core_client import InprocClient
     from stepscope.engine.sampling_params import SamplingParams
 
+    started = time.perf_counter()
     llm = LLM(
         model=model,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -119,9 +123,12 @@ def run_stepscope(
         trace_db=trace_db,
         dtype=dtype,
         data_parallel_size=data_parallel_size,
+        data_parallel_backend=data_parallel_backend,
         quantization=quantization,
         async_scheduling=async_scheduling,
     )
+    if startup is not None:
+        startup.append(time.perf_counter() - started)
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
     ]
@@ -245,6 +252,7 @@ def bench_offline(args: argparse.Namespace) -> None:
         raise SystemExit(f"--dtype: unknown {unknown}; choose from {sorted(DTYPES)}")
     _dp_sizes(args.dp)  # a bad --dp or --async-scheduling fails before anything runs
     _async_settings(args.async_scheduling)
+    _backends(args.data_parallel_backend)
     model_dir = resolve_model(args.model)
     cfg = load_config(model_dir)
     workload = make_workload(
@@ -321,18 +329,24 @@ def _bench_stepscope(
     """Every executor x DP size x tracing setting in one dtype; returns the best setting's output
     tok/s."""
     repeat = args.repeat
-    runs = alternating(args.tracing.split(","), repeat)
+    backends = _backends(args.data_parallel_backend)
+    # Tracing settings and DP backends take turns run by run (each pair a setting).
+    settings = [f"{t}|{b}" for t in args.tracing.split(",") for b in backends]
+    runs = [(rep, *setting.split("|")) for rep, setting in alternating(settings, repeat)]
     dps = _dp_sizes(args.dp)
     seconds: dict[str, list[float]] = {}
     ttfts: dict[str, list[float]] = {}
+    startups: dict[str, list[float]] = {}
     for executor in args.executor.split(","):
         for dp in dps:
-            for rep, tracing in runs:
+            for rep, tracing, backend in runs:
                 trace_db = None
                 if tracing == "on":
                     folder = Path(tempfile.mkdtemp(prefix="stepscope-bench-"))
                     trace_db = str(folder / "trace.duckdb")
                 label = _label(executor, dp, len(dps) > 1, args.tracing, tracing)
+                if len(backends) > 1:
+                    label += f", {backend} backend"
                 elapsed, ttft = run_stepscope(
                     args.model,
                     workload,
@@ -343,6 +357,8 @@ def _bench_stepscope(
                     dp,
                     quantization,
                     async_scheduling,
+                    backend,
+                    startups.setdefault(label, []),
                 )
                 seconds.setdefault(label, []).append(elapsed)
                 ttfts.setdefault(label, []).extend(ttft)
@@ -351,7 +367,8 @@ def _bench_stepscope(
                 print(
                     f"stepscope ({label}, {dtype}){run}: {elapsed:8.1f} s  "
                     f"{workload.num_output_tokens / elapsed:7.1f} output tok/s  MFU {mfu:.0%}  "
-                    f"TTFT p50 {statistics.median(ttft):.2f} s",
+                    f"TTFT p50 {statistics.median(ttft):.2f} s  start-up "
+                    f"{startups[label][-1]:.1f} s",
                     flush=True,
                 )
     # Throughput of a setting over all its runs: every token it generated over all its time.
@@ -380,9 +397,39 @@ def _bench_stepscope(
             if on and off:
                 print(f"ratio tracing on / off ({_label(executor, dp, len(dps) > 1)}): "
                       f"{on / off:.3f}x")  # fmt: skip
+    if len(backends) > 1:
+        _print_backend_comparison(results, startups, backends)
     if len(dps) > 1:
         _print_dp_comparison(args, dps, results, ttfts)
     return max(results.values())
+
+
+def _backends(spec: str) -> list[str]:
+    """--data-parallel-backend: mp, ray, or both in the order given."""
+    values = [v.strip() for v in spec.split(",")]
+    if not values or any(v not in ("mp", "ray") for v in values) or len(set(values)) < len(values):
+        raise SystemExit(f"--data-parallel-backend: mp, ray, or 'mp,ray', got {spec!r}")
+    return values
+
+
+def _print_backend_comparison(
+    results: dict[str, float], startups: dict[str, list[float]], backends: list[str]
+) -> None:
+    """Each setting's throughput and start-up on every backend, against the first given."""
+    print(f"--- DP backends ({', '.join(backends)}), runs alternating")
+    for label, rate in results.items():
+        first = f", {backends[0]} backend"
+        if not label.endswith(first):
+            continue
+        base = label.removesuffix(first)
+        for backend in backends:
+            other = f"{base}, {backend} backend"
+            times = startups[other]
+            print(
+                f"{other}: {results[other]:7.1f} output tok/s ({results[other] / rate:.3f}x "
+                f"{backends[0]}), start-up median {statistics.median(times):.1f} s "
+                f"(runs {', '.join(f'{t:.1f}' for t in times)})"
+            )
 
 
 def _async_settings(spec: str) -> list[bool]:

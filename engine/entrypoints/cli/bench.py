@@ -81,6 +81,12 @@ def _add_offline(bench_sub: argparse._SubParsersAction) -> None:
         "throughput and TTFT (each rank gets cores / DP torch threads)",
     )
     p.add_argument(
+        "--data-parallel-backend",
+        default="mp",
+        help="mp, ray, or 'mp,ray': how the DP ranks' engine cores start (processes or Ray "
+        "actors); with both, their runs alternate and throughput and start-up are compared",
+    )
+    p.add_argument(
         "--quantization",
         default="auto",
         help="auto, gguf, none, or 'gguf,none': the whole comparison once per setting",
