@@ -455,6 +455,11 @@ def _validated(c: EngineConfig) -> EngineConfig:
         raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
     s = _scheduler_defaults(s, m, c.offline)
     _check_parallel(p)
+    if m.device.startswith("cuda") and "ray" in (p.executor, p.data_parallel_backend):
+        raise ValueError(
+            "the ray backends place CPU processes only in this version (their actors ask Ray "
+            "for no GPU): on CUDA use the mp backends (docs/scaling.md, section 10)"
+        )
     from stepscope.traces.setup import TraceSampling
 
     TraceSampling(o.trace_steps)  # raises ValueError on a malformed --trace-steps

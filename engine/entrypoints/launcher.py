@@ -130,6 +130,12 @@ def launch(args: argparse.Namespace, config: EngineConfig, endpoints: Endpoints,
     count = args.api_server_count
     remote = has_remote_ranks(args)
     host = args.data_parallel_address
+    if config.parallel_config.data_parallel_backend == "ray":
+        from stepscope.engine.executor import ray_utils
+
+        ray_utils.connect_for(config, endpoints.ray_address)
+        if ray_utils.spans_hosts():  # an engine core may land on another host
+            remote, host = True, ray_utils.node_ip()
     folder = tempfile.mkdtemp(prefix="stepscope-serve-")
     if remote:  # engine cores on other machines must reach the API servers' output sockets
         output_addrs = [f"tcp://{host}:{free_port(host)}" for _ in range(count)]

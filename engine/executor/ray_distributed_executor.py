@@ -1,5 +1,5 @@
 """The Ray executor (`--distributed-executor-backend ray`): one Ray actor per tensor-parallel rank,
-in place of a worker process (vLLM: vllm/v1/executor/ray_distributed_executor.py).
+in place of a worker process (vLLM: `RayDistributedExecutor` in vllm/v1/executor/ray_executor.py).
 
 Only the start differs from `MultiprocExecutor`, whose channels, step path and failure handling
 this executor keeps: each actor runs the worker process's main (engine/worker/worker_proc.py),

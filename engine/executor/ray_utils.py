@@ -1,5 +1,5 @@
 """Ray as a launcher: the cluster, placement groups, and stepscope processes run as Ray actors.
-Mirrors vLLM's vllm/executor/ray_utils.py (the cluster, placement groups) and
+Mirrors vLLM's vllm/v1/executor/ray_utils.py (the cluster, placement groups) and
 `CoreEngineActorManager` in vllm/v1/engine/utils.py (DP engine cores as actors).
 
 Ray places, starts, watches and stops processes; it does not carry the request path. An engine
@@ -76,6 +76,25 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> str:
                 logging_level="warning",
             )
     return ray.get_runtime_context().gcs_address
+
+
+def connect_for(config: Any, address: str | None = None) -> str:
+    """`connect`, counting for a local cluster the CPUs `config`'s compute processes take."""
+    p = config.parallel_config
+    processes = p.data_parallel_size * p.tensor_parallel_size
+    return connect(address, num_cpus=processes * p.cpu_threads_per_process)
+
+
+def output_address(folder: str) -> str:
+    """Where an API server on this machine takes its outputs: an ipc path in `folder`, or a TCP
+    port on this node's address when the cluster's nodes are on several hosts (an engine core
+    may land on another)."""
+    if spans_hosts():
+        from stepscope.traces.process import free_port
+
+        host = node_ip()
+        return f"tcp://{host}:{free_port(host)}"
+    return f"ipc://{folder}/out"
 
 
 @contextlib.contextmanager

@@ -152,6 +152,11 @@ class MPClient:
         if attach is None:  # our own engine cores, answering at a socket of ours
             self._dir = tempfile.mkdtemp(prefix="stepscope-api-")
             output_addr = f"ipc://{self._dir}/out"
+            if config.parallel_config.data_parallel_backend == "ray":
+                from stepscope.engine.executor import ray_utils
+
+                ray_utils.connect_for(config, endpoints.ray_address)
+                output_addr = ray_utils.output_address(self._dir)
         else:
             output_addr = attach.output_addr
         self.output_sock = self.ctx.socket(zmq.PULL)

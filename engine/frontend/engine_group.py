@@ -202,10 +202,7 @@ class EngineGroup:
             from stepscope.engine.executor import ray_utils
 
             # Once, here: the engine cores and their executors join this cluster.
-            processes = p.data_parallel_size * p.tensor_parallel_size
-            address = ray_utils.connect(
-                endpoints.ray_address, num_cpus=processes * p.cpu_threads_per_process
-            )
+            address = ray_utils.connect_for(config, endpoints.ray_address)
             endpoints = msgspec.structs.replace(endpoints, ray_address=address)
             self.ray_connect_s = (time.time_ns() - started_ns) / 1e9
         if self.backend == "ray":
