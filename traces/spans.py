@@ -434,13 +434,18 @@ def run_span(engine_config: str, entry: str) -> None:
     span.end()
 
 
-def start_span(name: str, parent: Mapping[str, str] | None = None) -> Span | None:
-    """A span of the engine's start (`stepscope.engine_start`), under `parent` (a carrier);
-    its context goes to the processes it starts (`inject_context`). None: not tracing."""
+def start_span(
+    name: str, parent: Mapping[str, str] | None = None, start_ns: int | None = None
+) -> Span | None:
+    """A span of the engine's start (`stepscope.engine_start`), under `parent` (a carrier),
+    from `start_ns` (default: now); its context goes to the processes it starts
+    (`inject_context`). None: not tracing."""
     state = _setup.state
     if state is None:
         return None
-    return state.tracer.start_span(name, context=extract_context(parent), attributes=_CHAIN)
+    return state.tracer.start_span(
+        name, context=extract_context(parent), attributes=_CHAIN, start_time=start_ns
+    )
 
 
 def process_start_span(

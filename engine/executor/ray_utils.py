@@ -63,7 +63,9 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> str:
     require_ray()
     import ray
 
+    global _init_ns
     if not ray.is_initialized():
+        started_ns = time.time_ns()
         address = address or os.environ.get("RAY_ADDRESS")
         local = None if address else max(num_cpus or 0, os.cpu_count() or 1)
         with _signals_kept():
@@ -75,7 +77,20 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> str:
                 log_to_driver=True,  # an actor's traceback is printed here, as a child's would be
                 logging_level="warning",
             )
+        _init_ns = (started_ns, time.time_ns())
     return ray.get_runtime_context().gcs_address
+
+
+# When this process last joined or started a cluster (wall-clock ns), until a trace takes it.
+_init_ns: tuple[int, int] | None = None
+
+
+def take_connect_times() -> tuple[int, int] | None:
+    """The start and end of this process's `ray.init`, once (None after, or if never called):
+    the engine start's span reaches back to it, as the run waited for it."""
+    global _init_ns
+    times, _init_ns = _init_ns, None
+    return times
 
 
 def connect_for(config: Any, address: str | None = None) -> str:

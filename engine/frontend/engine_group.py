@@ -164,7 +164,20 @@ class EngineGroup:
         self._finalizer = weakref.finalize(
             self, _stop_group, self.procs, self._coordinators, self._dir, self._ctx
         )
-        self._span = start_span(names.ENGINE_START)
+        # Joining the Ray cluster comes first (the API side may have done it already, to choose
+        # its output address): the start's span reaches back to it.
+        p = config.parallel_config
+        self.ray_connect_s: float | None = None
+        start_ns = None
+        if "ray" in (self.backend, p.executor):
+            from stepscope.engine.executor import ray_utils
+
+            address = ray_utils.connect_for(config, endpoints.ray_address)
+            endpoints = msgspec.structs.replace(endpoints, ray_address=address)
+            times = ray_utils.take_connect_times()
+            start_ns = times[0] if times else None
+            self.ray_connect_s = (times[1] - times[0]) / 1e9 if times else 0.0
+        self._span = start_span(names.ENGINE_START, start_ns=start_ns)
         if self._span is not None:
             self._span.set_attribute(names.BACKEND, _BACKENDS[self.backend])
             endpoints = msgspec.structs.replace(
@@ -194,18 +207,10 @@ class EngineGroup:
     ) -> None:
         from stepscope.engine.core.dp_coordinator import CoordinatorArgs
 
-        started_ns = time.time_ns()
         spread = False  # engine cores on other machines
-        p = config.parallel_config
-        self.ray_connect_s: float | None = None
-        if "ray" in (self.backend, p.executor):
+        if self.backend == "ray":
             from stepscope.engine.executor import ray_utils
 
-            # Once, here: the engine cores and their executors join this cluster.
-            address = ray_utils.connect_for(config, endpoints.ray_address)
-            endpoints = msgspec.structs.replace(endpoints, ray_address=address)
-            self.ray_connect_s = (time.time_ns() - started_ns) / 1e9
-        if self.backend == "ray":
             host = ray_utils.node_ip()
             spread = ray_utils.spans_hosts()
             if spread:  # the handshake, as engine cores elsewhere must reach it
