@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import difflib
 import functools
+import importlib.util
 import inspect
 import itertools
 import json
@@ -502,6 +503,16 @@ def check_no_chunk_budget(s: SchedulerConfig, max_model_len: int | None) -> None
         )
 
 
+RAY_INSTALL = "pip install -e '.[ray]' (in a checkout) or pip install 'ray==2.58.0'"
+
+
+def require_ray() -> None:
+    """Refuse a ray backend, with how to install Ray, where Ray is missing (an optional extra;
+    engine/executor/ray_utils.py uses it)."""
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(f"the ray backend needs Ray, which is not installed here: {RAY_INSTALL}")
+
+
 def _check_parallel(p: ParallelConfig) -> None:
     if p.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {p.tensor_parallel_size}")
@@ -510,8 +521,6 @@ def _check_parallel(p: ParallelConfig) -> None:
             "tensor_parallel_size > 1 needs executor='mp' or 'ray' (one process per rank)"
         )
     if "ray" in (p.executor, p.data_parallel_backend):
-        from stepscope.engine.executor.ray_utils import require_ray
-
         require_ray()
     if p.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {p.data_parallel_size}")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import os
 import signal
 import subprocess
@@ -41,16 +40,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-RAY_INSTALL = "pip install -e '.[ray]' (in a checkout) or pip install 'ray==2.58.0'"
+from stepscope.engine.config import require_ray
+
 # Placing an actor waits for its placement group: on a cluster without room for it, the
 # message says what was asked for instead of waiting forever.
 PLACEMENT_TIMEOUT_S = 120.0
-
-
-def require_ray() -> None:
-    """Refuse a ray backend, with how to install Ray, where Ray is missing."""
-    if importlib.util.find_spec("ray") is None:
-        raise ValueError(f"the ray backend needs Ray, which is not installed here: {RAY_INSTALL}")
 
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> str:

@@ -20,6 +20,7 @@ NOT_LIVENESS = {
     "engine/frontend/engine_group.py": {"STARTUP_TIMEOUT_S"},
     "engine/executor/multiproc_executor.py": {"READY_TIMEOUT_S"},
     "engine/core/core_proc.py": {"HANDSHAKE_TIMEOUT_S"},
+    "engine/executor/ray_utils.py": {"PLACEMENT_TIMEOUT_S"},
     "engine/bench/soak.py": {"SETTLE_TIMEOUT_S"},
 }
 
