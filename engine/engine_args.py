@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from stepscope.engine.config import (
+    FLAT_ALIASES,
     PARTS,
     EngineConfig,
     option_docs,
@@ -29,8 +30,9 @@ def engine_option_names() -> list[str]:
 
 
 def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
-    """Refuse a keyword that is no engine option, naming the nearest one."""
-    known = engine_option_names()
+    """Refuse a keyword that is no engine option, naming the nearest one (vLLM's names that
+    `EngineConfig.create` accepts for stepscope's, `FLAT_ALIASES`, are options too)."""
+    known = [*engine_option_names(), *FLAT_ALIASES]
     for name in kwargs:
         if name not in known:
             raise ValueError(unknown_name_message(name, known))

@@ -11,7 +11,7 @@ who starts the process and where it lands:
 - `connect`: join the cluster at $RAY_ADDRESS (KubeRay, `ray start --head`), or start a local one
   for this run. Ray stops a local cluster when the process that started it exits (its own atexit
   hook), also when a script never calls shutdown.
-- `start_actor`: a `_ProcessActor` in a bundle of a placement group, running one process's
+- `start_actors`: a `_ProcessActor` each in a bundle of a placement group, running one process's
   main function (`run_engine_core`, a worker's main) in its main thread, so that it installs its
   signal handlers as a process of its own does. `where()` answers first (pid, node), then the
   long `run()` call doubles as the liveness handle (vLLM's `run.remote()`): it returns the
@@ -146,7 +146,7 @@ def node_ip() -> str:
 
 
 class _ProcessActor:
-    """One stepscope process inside a Ray worker process (made remote by `start_actor`)."""
+    """One stepscope process inside a Ray worker process (made remote by `_actor_class`)."""
 
     def where(self) -> tuple[int, str, str]:
         import ray

@@ -336,7 +336,8 @@ class EngineGroup:
             ready=self.ready,  # type: ignore[arg-type]
             publish_addr=self.publish_addr,
             coordinator_pid=self.coordinator.pid if self.coordinator is not None else None,
-            local_pids=[p.pid for p in self._all_procs()],
+            # Ray actors on other hosts cannot be watched by pid from here.
+            local_pids=[p.pid for p in self._all_procs() if _on_this_host(p)],
         )
 
     def _all_procs(self) -> list[subprocess.Popen]:
@@ -379,6 +380,14 @@ class EngineGroup:
             sock.close(linger=500)
         self._inputs.clear()
         self._finalizer()
+
+
+def _on_this_host(proc: subprocess.Popen | ActorProcess) -> bool:
+    if isinstance(proc, subprocess.Popen):
+        return True
+    from stepscope.engine.executor import ray_utils
+
+    return proc.node_ip == ray_utils.node_ip()
 
 
 def _died(proc: subprocess.Popen | ActorProcess) -> str:

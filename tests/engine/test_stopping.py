@@ -117,7 +117,7 @@ SERVE_CASES = [
     (["--api-server-count", "2"], signal.SIGTERM, "group"),
     # Engine cores as Ray actors, on a local cluster the server starts and leaves nothing of.
     (["--dp", "2", "--data-parallel-backend", "ray"], signal.SIGINT, "group"),
-    (["--dp", "2", "--data-parallel-backend", "ray"], signal.SIGTERM, "parent"),
+    (["--dp", "2", "--data-parallel-backend", "ray"], signal.SIGTERM, "group"),
 ]
 
 
