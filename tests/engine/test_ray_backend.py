@@ -129,7 +129,8 @@ def test_dp2_on_ray_gives_the_native_tokens_one_rank_per_node(cluster, dp1_token
 
 def test_dp2_tp2_with_workers_as_actors_gives_the_dp1_tokens(cluster, dp1_tokens) -> None:
     layout = {"data_parallel_size": 2, "tensor_parallel_size": 2}
-    with LLM(**TINY, **layout, data_parallel_backend="ray", executor="ray") as llm:
+    backends = {"data_parallel_backend": "ray", "distributed_executor_backend": "ray"}  # vLLM's
+    with LLM(**TINY, **layout, **backends) as llm:
         assert tokens(llm) == dp1_tokens
         procs = llm.processes()
         workers = sorted((p.dp_rank, p.rank) for p in procs if p.role == "worker")
