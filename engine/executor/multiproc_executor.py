@@ -83,7 +83,7 @@ from stepscope.engine.models.config import read_model_shape
 from stepscope.engine.worker.worker_proc import describe_exit, start_workers, worker_addresses
 from stepscope.traces import crossing
 from stepscope.traces.crossing import traced_send
-from stepscope.traces.spans import process_start_span
+from stepscope.traces.run_spans import process_start_span
 
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 5.0

@@ -40,7 +40,8 @@ from stepscope.engine.messages import (
 )
 from stepscope.traces import names
 from stepscope.traces.process import free_port
-from stepscope.traces.spans import inject_context, process_start_span, start_span
+from stepscope.traces.run_spans import process_start_span, start_span
+from stepscope.traces.spans import inject_context
 
 if TYPE_CHECKING:
     from stepscope.engine.executor.ray_utils import ActorProcess
@@ -446,13 +447,13 @@ def start_core_actors(
     from stepscope.engine.executor import ray_utils
 
     p = config.parallel_config
-    threads = float(p.cpu_threads_per_process)
+    threads = p.cpu_threads_per_process
     if p.executor == "uni":
-        bundles, resources = [{"CPU": threads}], None
+        bundles, resources = [{"CPU": float(threads)}], None
     elif p.executor == "mp":
-        bundles, resources = [{"CPU": threads * p.tensor_parallel_size}], None
+        bundles, resources = [{"CPU": float(threads * p.tensor_parallel_size)}], None
     else:
-        bundles, resources = [{"CPU": threads}] * p.tensor_parallel_size, {}
+        bundles, resources = [{"CPU": float(threads)}] * p.tensor_parallel_size, {}
     # Rank r goes to the r-th node that fits it, in turn (softly: anywhere if that one is full).
     nodes = ray_utils.nodes_for(sum(b["CPU"] for b in bundles)) or [None]
     actors = ray_utils.start_actors(
@@ -472,7 +473,7 @@ def start_core_actors(
         rank_config = config.for_dp_rank(rank, 0, p.data_parallel_size)
         rank_config = rank_config.replace(
             parallel_config=msgspec.structs.replace(
-                rank_config.parallel_config, cpu_threads=int(threads)
+                rank_config.parallel_config, cpu_threads=threads
             )
         )
         bind = (

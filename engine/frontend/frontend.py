@@ -33,7 +33,7 @@ from stepscope.engine.models.loader import (
 from stepscope.engine.outputs import RequestOutput
 from stepscope.engine.sampling_params import SamplingParams
 from stepscope.traces import names
-from stepscope.traces.spans import run_span
+from stepscope.traces.run_spans import run_span
 
 
 @dataclass(slots=True)

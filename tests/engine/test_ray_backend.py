@@ -27,17 +27,10 @@ from stepscope.engine.frontend.engine_group import EngineDeadError
 from stepscope.traces import names
 from stepscope.traces.backend.explain import startup
 from stepscope.traces.backend.store import TraceStore
+from tests.engine.test_data_parallel import TINY, tokens  # the DP tests' prompts and engine
 from tests.process_tree import ProcessTree, wait_pids_gone
 
 pytestmark = pytest.mark.slow  # a Ray cluster, and engines started on it
-
-PROMPTS = [f"Request {i}: " + "word " * (3 + 5 * i) for i in range(6)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-TINY = {"model": "tiny-llama", "num_kv_blocks": 64, "max_num_batched_tokens": 32}
-
-
-def tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
